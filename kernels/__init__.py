@@ -1,0 +1,1 @@
+"""Triton kernels: tree attention and fused divergences."""

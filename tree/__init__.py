@@ -1,0 +1,1 @@
+"""EAGLE-2 dynamic draft tree: pure tensor functions."""
