@@ -1,0 +1,85 @@
+"""A preallocated KV cache that tree verification can write into and then compact to the accepted path.
+
+Layout per layer: keys/values (B, H_kv, max_len, D). Slots [0, length) hold committed tokens; a verification
+forward appends the tree's N tokens at [length, length + N); `keep(start, idx)` then moves the accepted nodes'
+entries (slots start + idx) to [start, start + len(idx)) and drops the rest. Nothing is ever reallocated.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's fixed-size buffer. Subclasses DynamicLayer only to inherit the rest of the layer protocol."""
+
+    is_croppable = True
+
+    def __init__(self, max_len: int):
+        super().__init__()
+        self.max_len = max_len
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states):
+        batch, heads, _, dim = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states.new_zeros(batch, heads, self.max_len, dim)
+        self.values = value_states.new_zeros(batch, value_states.shape[1], self.max_len, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > preallocated {self.max_len}")
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+    def crop(self, max_length: int) -> None:
+        self.length = max_length if max_length >= 0 else self.length + max_length
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def keep(self, start: int, idx: torch.Tensor) -> None:
+        """Compact: slots start + idx[i] -> start + i, for the accepted path idx (ascending, idx[i] >= i)."""
+        if not self.is_initialized:
+            return
+        src = start + idx
+        n = idx.numel()
+        # index_select copies first, so overlapping source/destination ranges are safe.
+        self.keys[:, :, start:start + n] = self.keys.index_select(2, src)
+        self.values[:, :, start:start + n] = self.values.index_select(2, src)
+        self.length = start + n
+
+
+class TreeCache(Cache):
+    """A transformers `Cache` of `PreallocatedLayer`s, sized prompt + max_new_tokens + tree (not the model context)."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
+        self.max_len = max_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def crop(self, max_length: int) -> None:
+        for layer in self.layers:
+            layer.crop(max_length)
+
+    def keep(self, start: int, idx: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.keep(start, idx)

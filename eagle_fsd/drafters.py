@@ -1,0 +1,233 @@
+"""Drafters: an EAGLE-1/2 head or any causal LM sharing the target's tokenizer, and the EAGLE-2 tree growth.
+
+A drafter keeps its own cache of committed context and offers:
+  prefill(prompt_ids, root, target_hidden) / extend(tokens, target_hidden) -> (log q over the root's children, root state)
+  forward_level(tokens, parent_state, level, level_mask) -> (log q over each node's children, node states)
+  rollback()  -- drop the scratch entries of the tree levels
+Context positions: after `extend`, the drafter has consumed `length` inputs; tree level s (0-based) sits at position
+length + s for both kinds (EAGLE pairs feature f_t with token x_{t+1}, one input fewer than the LM, one position less).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from eagle_fsd.cache import TreeCache
+from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.tree.dynamic import DraftTree, choose_expansion, expand, next_level_mask, select_tree
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/2 draft head: fc(2H -> H) over [token embedding, target feature], then one Llama decoder layer
+    without input layernorm. No embedding or lm_head of its own: both are the target's."""
+
+    def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()
+        if qkv_bias:  # Qwen2-style heads: bias on q, k, v only
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(attn, name)
+                setattr(attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+    def forward(self, token_embeds, features, position_ids, attention_mask, cache=None):
+        """token_embeds, features (B, T, H) -> draft features (B, T, H)."""
+        hidden = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        layer = self.layers[0]
+        out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
+                    position_embeddings=position_embeddings, **cache_kwargs(layer, cache))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _read_head_files(path: str):
+    """config dict and state dict of a published EAGLE-1/2 head (local dir or hub id)."""
+    if os.path.isdir(path):
+        files = {name: os.path.join(path, name) for name in os.listdir(path)}
+    else:
+        from huggingface_hub import hf_hub_download, list_repo_files
+
+        try:
+            names = list_repo_files(path)
+        except Exception as err:
+            raise FileNotFoundError(
+                f"EAGLE head {path!r} is neither a local directory nor a reachable hub repo ({err}); "
+                "pass a directory holding config.json and model.safetensors or pytorch_model.bin") from err
+        files = {n: hf_hub_download(path, n) for n in names if n in ("config.json", "model.safetensors", "pytorch_model.bin")}
+    if "config.json" not in files:
+        raise FileNotFoundError(f"EAGLE head {path!r} has no config.json")
+    with open(files["config.json"]) as f:
+        config = json.load(f)
+    if "model.safetensors" in files:
+        from safetensors.torch import load_file
+
+        state = load_file(files["model.safetensors"])
+    elif "pytorch_model.bin" in files:
+        state = torch.load(files["pytorch_model.bin"], map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"EAGLE head {path!r} has neither model.safetensors nor pytorch_model.bin")
+    return config, state
+
+
+def head_config(raw: dict) -> tuple[LlamaConfig, bool, bool]:
+    keys = {k: v for k, v in raw.items() if k not in ("bias", "qkv_bias", "architectures")}
+    config = LlamaConfig(**keys)
+    config.num_hidden_layers = 1
+    return config, bool(raw.get("bias", True)), bool(raw.get("qkv_bias", False))
+
+
+def load_eagle_head(path: str, target: nn.Module) -> EagleHead:
+    """Load a head in the published EAGLE-1/2 layout and check it fits `target`."""
+    raw, state = _read_head_files(path)
+    config, bias, qkv_bias = head_config(raw)
+    target_cfg = target.config
+    vocab, hidden = target.get_input_embeddings().weight.shape
+    if config.hidden_size != hidden:
+        raise ValueError(f"EAGLE head {path!r} has hidden_size {config.hidden_size} but the target has {hidden}: "
+                         "this head was trained for another model")
+    if config.vocab_size != vocab:
+        raise ValueError(f"EAGLE head {path!r} has vocab_size {config.vocab_size} but the target has {vocab}: "
+                         "this head was trained for another model")
+    emb = state.pop("embed_tokens.weight", None)
+    if emb is not None and tuple(emb.shape) != (vocab, hidden):
+        raise ValueError(f"EAGLE head {path!r} embedding shape {tuple(emb.shape)} != target's {(vocab, hidden)}")
+    config._attn_implementation = target_cfg._attn_implementation
+    head = EagleHead(config, bias=bias, qkv_bias=qkv_bias)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"EAGLE head {path!r} does not match the EAGLE-1/2 layout: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE head: input at position t is (embed(x_{t+1}), feature f_t)."""
+
+    def __init__(self, head: EagleHead, target: nn.Module):
+        if head.fc.weight.dtype != target.dtype:
+            raise ValueError(f"EAGLE head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; "
+                             "cast the head with head.to(target.dtype)")
+        if head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
+        self.head, self.target = head, target
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+
+    def reset(self, max_len: int):
+        self.cache = TreeCache(1, max_len)
+        self.length = 0
+
+    def _run(self, tokens, features, mask, positions):
+        hidden = self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache)[0]
+        return hidden
+
+    def prefill(self, prompt_ids, root, target_hidden):
+        return self.extend(torch.cat([prompt_ids[1:], root.reshape(1)]), target_hidden)
+
+    def extend(self, tokens, target_hidden):
+        n = tokens.numel()
+        positions = self.length + torch.arange(n, device=tokens.device)
+        hidden = self._run(tokens, target_hidden, causal_mask(self.length, n, tokens.device), positions)
+        self.length += n
+        last = hidden[-1:]
+        return torch.log_softmax(self.lm_head(last).float(), -1)[0], last[0]
+
+    def forward_level(self, tokens, parent_state, level, level_mask):
+        k = tokens.numel()
+        positions = torch.full((k,), self.length + level, device=tokens.device)
+        hidden = self._run(tokens, parent_state, prefix_tree_mask(self.length, level_mask), positions)
+        return torch.log_softmax(self.lm_head(hidden).float(), -1), hidden
+
+    def rollback(self):
+        self.cache.crop(self.length)
+
+
+class LMDrafter:
+    """Drafts with a small causal LM that shares the target's tokenizer (training-free)."""
+
+    def __init__(self, model: nn.Module, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's logit width; the draft's is cut or padded to it
+        self.lm_head = model.get_output_embeddings()
+
+    def reset(self, max_len: int):
+        self.cache = TreeCache(self.model.config.num_hidden_layers, max_len)
+        self.length = 0
+
+    def _logprobs(self, hidden):
+        logits = self.lm_head(hidden).float()
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            logits = logits[..., : self.vocab_size]
+        elif width < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return torch.log_softmax(logits, -1)
+
+    def prefill(self, prompt_ids, root, target_hidden=None):
+        return self.extend(torch.cat([prompt_ids, root.reshape(1)]))
+
+    def extend(self, tokens, target_hidden=None):
+        n = tokens.numel()
+        positions = self.length + torch.arange(n, device=tokens.device)
+        hidden = decoder_forward(self.model, tokens, self.cache, causal_mask(self.length, n, tokens.device), positions)
+        self.length += n
+        return self._logprobs(hidden[-1:])[0], None
+
+    def forward_level(self, tokens, parent_state, level, level_mask):
+        positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
+        hidden = decoder_forward(self.model, tokens, self.cache, prefix_tree_mask(self.length, level_mask), positions)
+        return self._logprobs(hidden), None
+
+    def rollback(self):
+        self.cache.crop(self.length)
+
+
+def grow_tree(drafter, root_token, root_logprobs, root_state, total_token: int, depth: int, top_k: int) -> DraftTree:
+    """EAGLE-2 drafting: `depth` draft forwards of top_k nodes each, then the global rerank to total_token nodes."""
+    device = root_logprobs.device
+    k = top_k
+    tokens, scores = expand(torch.zeros(1, device=device), root_logprobs[None], k)
+    frontier_tokens, frontier_scores = tokens[0], scores[0]
+    frontier_pool = torch.arange(1, k + 1, device=device)
+    frontier_state = None if root_state is None else root_state[None].expand(k, -1)
+    level_mask = torch.eye(k, dtype=torch.bool, device=device)
+
+    pool_tokens, pool_scores = [frontier_tokens], [frontier_scores]
+    pool_parents = [torch.zeros(k, dtype=torch.long, device=device)]
+    pool_depths = [torch.ones(k, dtype=torch.long, device=device)]
+    pool_dist_row = torch.full((1 + k + depth * k * k,), -1, dtype=torch.long, device=device)
+    pool_dist_row[0] = 0
+    logprob_rows = [root_logprobs[None]]
+    n_pool = k
+    for level in range(depth):
+        logprobs, states = drafter.forward_level(frontier_tokens, frontier_state, level, level_mask)
+        pool_dist_row[frontier_pool] = torch.arange(1 + level * k, 1 + (level + 1) * k, device=device)
+        logprob_rows.append(logprobs)
+        child_tokens, child_scores = expand(frontier_scores, logprobs, k)
+        pool_tokens.append(child_tokens.flatten())
+        pool_scores.append(child_scores.flatten())
+        pool_parents.append(frontier_pool.repeat_interleave(k))
+        pool_depths.append(torch.full((k * k,), level + 2, dtype=torch.long, device=device))
+        child_pool = n_pool + 1 + torch.arange(k * k, device=device)
+        n_pool += k * k
+        if level + 1 < depth:
+            flat, rows, frontier_scores = choose_expansion(child_scores, k)
+            frontier_pool, frontier_tokens = child_pool[flat], child_tokens.flatten()[flat]
+            frontier_state = None if states is None else states[rows]
+            level_mask = next_level_mask(level_mask, rows)
+    drafter.rollback()
+    tree = select_tree(root_token, torch.cat(pool_tokens), torch.cat(pool_scores), torch.cat(pool_parents),
+                       torch.cat(pool_depths), pool_dist_row, total_token, max_depth=depth + 1)
+    tree.draft_logprobs = torch.cat(logprob_rows)
+    return tree

@@ -1,0 +1,227 @@
+"""EaFsdModel: a target model, a drafter, and the one generation loop (tree drafting -> verification -> acceptance)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
+from eagle_fsd.attention import ATTENTION_NAME, BACKENDS
+from eagle_fsd.cache import TreeCache
+from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_head
+from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.sampling import choose_tokens, logits_processor
+from eagle_fsd.tree.accept import accept
+from eagle_fsd.tree.dynamic import chain_tree
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor                  # (1, prompt + new) token ids, like HF generate
+    new_tokens: int = 0
+    verify_steps: int = 0                    # target forwards after prefill (one per step)
+    accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per step (bonus excluded)
+    wall_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification forward, bonus token included (SGLang/vLLM/EAGLE convention)."""
+        return sum(a + 1 for a in self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+
+def _eos_ids(model, eos_token_id) -> set[int]:
+    eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+class EaFsdModel(torch.nn.Module):
+    """EAGLE-2 dynamic-tree speculative decoding over a Hugging Face causal LM (batch size 1).
+
+    base_model: the HF target model (public, as in EAGLE); tokenizer: its tokenizer; drafter: EagleDrafter or
+    LMDrafter (None: plain decoding only).
+    """
+
+    def __init__(self, base_model, tokenizer=None, drafter=None, total_token: int = 60, depth: int = 5,
+                 top_k: int = 10):
+        super().__init__()
+        self.base_model = base_model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.total_token, self.depth, self.top_k = total_token, depth, top_k
+        self._check_tree_args(total_token, depth, top_k)
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
+                        total_token: int = 60, depth: int = 5, top_k: int = 10, dtype="auto",
+                        device_map=None, attention: str = "auto", **kwargs):
+        """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
+        ea_model_path: an EAGLE-1/2 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
+        hub id or a loaded model). Without either, a preset's default drafter is used if it has one."""
+        from eagle_fsd import presets
+
+        if attention not in BACKENDS:
+            raise ValueError(f"attention={attention!r} is not one of {BACKENDS}")
+        if ea_model_path is None and draft_model is None:
+            draft_model = presets.default_drafter(base_model)
+        path = presets.resolve_model(base_model)
+        load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **kwargs)
+        target = AutoModelForCausalLM.from_pretrained(path, **load).eval()
+        target.config.eagle_fsd_attention = attention
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        drafter = None
+        if ea_model_path is not None:
+            drafter = EagleDrafter(load_eagle_head(ea_model_path, target), target)
+        elif draft_model is not None:
+            if isinstance(draft_model, str):
+                draft_path = presets.resolve_model(draft_model)
+                check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_path), draft_model)
+                draft_model = AutoModelForCausalLM.from_pretrained(
+                    draft_path, dtype=target.dtype, attn_implementation=ATTENTION_NAME).to(target.device).eval()
+            draft_model.config.eagle_fsd_attention = attention
+            drafter = LMDrafter(draft_model, target.config.vocab_size)
+        return cls(target, tokenizer, drafter, total_token=total_token, depth=depth, top_k=top_k)
+
+    @staticmethod
+    def _check_tree_args(total_token, depth, top_k):
+        for name, value in (("total_token", total_token), ("depth", depth), ("top_k", top_k)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int (EAGLE defaults: total_token=60, depth=5, "
+                                 "top_k=10)")
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None):
+        """Speculative decoding. Greedy output is token-for-token the target's own greedy output; sampling output
+        follows the target's processed distribution exactly."""
+        if self.drafter is None:
+            raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
+                             "or use naive_generate for plain decoding")
+        return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
+                              return_dict, eos_token_id)
+
+    @torch.no_grad()
+    def naive_generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
+                       top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None):
+        """Plain decoding with the target alone (one token per forward): the baseline of every speed figure."""
+        return self._generate(input_ids, None, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
+                              eos_token_id)
+
+    # EAGLE's names, so EAGLE users can switch
+    def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                   log=False, is_llama3=False):
+        return self._eagle_call(self.generate, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, log,
+                                is_llama3)
+
+    def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
+                      log=False, is_llama3=False):
+        return self._eagle_call(self.naive_generate, input_ids, temperature, top_p, top_k, max_new_tokens,
+                                max_length, log, is_llama3)
+
+    def _eagle_call(self, fn, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, log, is_llama3):
+        # EAGLE: top_p 0 and top_k 0.0 mean "off"; max_length caps prompt + new tokens.
+        max_new_tokens = min(max_new_tokens, max_length - input_ids.shape[-1])
+        eos = None
+        if is_llama3:
+            eos = sorted(_eos_ids(self.base_model, None) | {self.tokenizer.convert_tokens_to_ids("<|eot_id|>")})
+        out = fn(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_p=top_p if 0 < top_p < 1 else 1.0, top_k=int(top_k), return_dict=True, eos_token_id=eos)
+        return (out.sequences, out.new_tokens, out.verify_steps - 1) if log else out.sequences
+
+    def _check_generate_args(self, input_ids, max_new_tokens):
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must have shape (1, prompt_len); got {tuple(input_ids.shape)} "
+                             "(batch size > 1 is not supported)")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token")
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+        vocab = self.base_model.config.vocab_size
+        if self.top_k > vocab:
+            raise ValueError(f"top_k={self.top_k} exceeds the vocabulary size {vocab}")
+        context = getattr(self.base_model.config, "max_position_embeddings", None)
+        needed = input_ids.shape[1] + max_new_tokens
+        if context is not None and needed > context:
+            raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
+                             f"exceeds the model's context of {context} tokens; shorten the prompt or lower "
+                             "max_new_tokens")
+
+    def _generate(self, input_ids, drafter, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
+                  eos_token_id):
+        processor = logits_processor(temperature, top_p, top_k)
+        self._check_generate_args(input_ids, max_new_tokens)
+        start = time.perf_counter()
+        model = self.base_model
+        device = model.device
+        prompt = input_ids[0].to(device)
+        eos = _eos_ids(model, eos_token_id)
+        tree_room = self.total_token + 1 if drafter is not None else 1
+        cache = TreeCache(model.config.num_hidden_layers, prompt.numel() + max_new_tokens + tree_room)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        # Prefill: the target reads the prompt and chooses the first new token, which roots the first tree.
+        n = prompt.numel()
+        hidden = decoder_forward(model, prompt, cache, causal_mask(0, n, device), torch.arange(n, device=device))
+        root = choose_tokens(model.get_output_embeddings()(hidden[-1:]), processor)[0]
+        if drafter is not None:
+            drafter.reset(cache.max_len + self.depth * self.top_k)
+            root_logprobs, root_state = drafter.prefill(prompt, root, hidden)
+
+        generated: list[int] = []
+        out = GenerateOutput(sequences=input_ids)
+        done = self._emit(generated, root.reshape(1), eos, max_new_tokens, streamer)
+        while not done:
+            if drafter is None:
+                tree = chain_tree(root.reshape(1))
+            else:
+                tree = grow_tree(drafter, root, root_logprobs, root_state, self.total_token, self.depth, self.top_k)
+            # Verification: all tree nodes in one target forward, node i at position committed + depth(i).
+            committed = cache.get_seq_length()
+            hidden = decoder_forward(model, tree.tokens, cache, prefix_tree_mask(committed, tree.tree_mask),
+                                     committed + tree.depths)
+            choice = choose_tokens(model.get_output_embeddings()(hidden), processor)
+            path, accept_length, root = accept(tree, choice)
+            cache.keep(committed, path)
+            new = torch.cat([tree.tokens[path[1:]], root.reshape(1)])
+            out.accept_lengths.append(accept_length)
+            done = self._emit(generated, new, eos, max_new_tokens, streamer)
+            if not done and drafter is not None:
+                root_logprobs, root_state = drafter.extend(new, hidden[path])
+
+        if streamer is not None:
+            streamer.end()
+        new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
+        out.sequences = torch.cat([input_ids, new_ids], dim=1)
+        out.new_tokens = len(generated)
+        out.verify_steps = len(out.accept_lengths)
+        out.wall_time = time.perf_counter() - start
+        return out if return_dict else out.sequences
+
+    @staticmethod
+    def _emit(generated: list[int], new: torch.Tensor, eos: set[int], max_new_tokens: int, streamer) -> bool:
+        """Append a step's tokens to `generated`, cut at the first eos or at the token budget; True when done."""
+        kept = []
+        for token in new.tolist()[: max_new_tokens - len(generated)]:
+            kept.append(token)
+            if token in eos:
+                break
+        generated.extend(kept)
+        if streamer is not None and kept:
+            streamer.put(torch.tensor(kept))
+        return (bool(kept) and kept[-1] in eos) or len(generated) >= max_new_tokens
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name):
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError(f"draft model {draft_name!r} does not share the target's tokenizer "
+                         f"({len(draft_tok)} vs {len(target_tok)} tokens, or different ids); an LM drafter must use "
+                         "the same tokenizer as the target")
