@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
-from eagle_fsd.attention import ATTENTION_NAME, BACKENDS
+from eagle_fsd.attention import ATTENTION_NAME, check_backend
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_head
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
@@ -64,8 +64,7 @@ class EaFsdModel(torch.nn.Module):
         hub id or a loaded model). Without either, a preset's default drafter is used if it has one."""
         from eagle_fsd import presets
 
-        if attention not in BACKENDS:
-            raise ValueError(f"attention={attention!r} is not one of {BACKENDS}")
+        check_backend(attention)
         if ea_model_path is None and draft_model is None:
             draft_model = presets.default_drafter(base_model)
         path = presets.resolve_model(base_model)

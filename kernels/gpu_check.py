@@ -5,8 +5,8 @@
 On CUDA (meant for one H200, whole run well under 5 minutes):
   1. parity: bf16 at real sizes (Hq 32, Hkv 8, head_dim 128; prefixes up to 8k, trees up to 64 nodes, per-batch random
      trees, K/V as views of a preallocated cache, q as the transposed view transformers passes), plus fp16 / fp32 /
-     head_dim 64 / no-split / fixed-config / causal-prefill / decode cases and a per-branch check, all against the float64
-     reference. Any failure prints "PARITY FAILURE" and makes the exit status 1.
+     head_dim 64 / no-split / fixed-config / causal-prefill / decode cases and a per-branch check, all against the
+     float64 reference. Any failure prints "PARITY FAILURE" and makes the exit status 1.
   2. timing (CUDA events, L2 flushed before every rep, warm-up, median) of tree_attention against
      (a) SDPA with a dense 4-D bool mask (as transformers' sdpa path does it: repeat_kv + mask; and with enable_gqa) and
      (b) SDPA with no mask over the same q = N rows and all L keys (the cost floor),
@@ -24,7 +24,6 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import statistics
@@ -42,7 +41,7 @@ from .tree_attention import (
     tree_attention_reference,
 )
 
-_ta = importlib.import_module(__package__ + ".tree_attention")  # the module (the package exports a function of that name)
+_ta = importlib.import_module(__package__ + ".tree_attention")  # the module (the package exports a same-named function)
 
 # Tolerances on ||out - ref|| / ||ref|| (Frobenius) and on max |out - ref| / max |ref|.
 _REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 2e-5}

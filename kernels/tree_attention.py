@@ -2,11 +2,11 @@
 
 What it computes
 ----------------
-``tree_attention(q, k, v, tree_mask)`` is softmax attention of the ``N`` tree tokens (the queries) over ``L = P + N`` keys:
-the ``P`` prefix keys (the accepted context already in the KV cache) are visible to every query, and the last ``N`` keys
-(the tree tokens themselves, appended to the cache) are visible to query ``i`` only where ``tree_mask[i, j]`` is True
-(usually "j is an ancestor of i, or i itself"). A causal prefill is the special case ``P = 0``, lower-triangular mask; a
-decode step is ``N = 1``.
+``tree_attention(q, k, v, tree_mask)`` is softmax attention of the ``N`` tree tokens (the queries) over ``L = P + N``
+keys: the ``P`` prefix keys (the accepted context already in the KV cache) are visible to every query, and the last
+``N`` keys (the tree tokens themselves, appended to the cache) are visible to query ``i`` only where ``tree_mask[i, j]``
+is True (usually "j is an ancestor of i, or i itself"). A causal prefill is the special case ``P = 0``, lower-triangular
+mask; a decode step is ``N = 1``.
 
 Shapes and layouts (the transformers ``AttentionInterface`` convention):
     q:         (B, Hq, N, D)             any strides
@@ -20,17 +20,18 @@ Shapes and layouts (the transformers ``AttentionInterface`` convention):
 Limits
 ------
 * dtypes: float16, bfloat16 (the fast path), float32; q, k and v must share one. Accumulation and softmax are float32
-  (online softmax, exp2 domain). float32 inputs use IEEE (not TF32) dots, which run on FMAs: on a GPU they use small fixed
-  tiles, are not autotuned and are meant for correctness, not speed.
+  (online softmax, exp2 domain). float32 inputs use IEEE (not TF32) dots, which run on FMAs: on a GPU they use small
+  fixed tiles, are not autotuned and are meant for correctness, not speed.
 * head_dim: a power of two in [16, 256] (64 and 128 are the tested ones; 256 uses a fixed small-tile config).
-* tree size N: no hard limit (W = ceil(N/32) mask words per row; tree keys are processed 32 at a time), but the tiling is
-  designed for N <= 64 tree nodes (times the GQA group). A long causal prefill (large N, P = 0) is correct but slower
+* tree size N: no hard limit (W = ceil(N/32) mask words per row; tree keys are processed 32 at a time), but the tiling
+  is designed for N <= 64 tree nodes (times the GQA group). A long causal prefill (large N, P = 0) is correct but slower
   than SDPA(is_causal=True): prefer SDPA there. Fully masked 32-key tree tiles are skipped.
 * The prefix is visible to every query: padding/attention masks inside the prefix are not supported (batch > 1 needs
   equal prefix lengths, or right-aligned, unpadded caches).
 * A mask row without any True is allowed: with P > 0 the node attends to the prefix only; with P = 0 its output is 0
   (never NaN). The reference does the same.
-* Devices: CUDA, or CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
+* Devices: CUDA, or CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is
+  imported).
   Everything else raises; use :func:`tree_attention_reference` (or SDPA with a dense mask) as the fallback there.
 * Tested hardware: not yet timed on a GPU. Correctness is tested on CPU under the Triton interpreter (fp32, fp16, bf16
   via the interpreter upcast). ``python -m eagle_fsd.kernels.gpu_check`` runs the bf16 parity check and the timings on a
@@ -38,15 +39,17 @@ Limits
 
 Mask format: bit-packed int32 words
 -----------------------------------
-The kernel reads the mask as ``[B or 1, N, ceil(N/32)]`` int32 words, bit ``j % 32`` of word ``j // 32`` of row ``i`` set
-iff query i sees tree key j (little bit order, numpy/FlashInfer ``packbits(bitorder="little")`` semantics; the TensorRT-LLM
-XQA spec-dec layout). Why:
+The kernel reads the mask as ``[B or 1, N, ceil(N/32)]`` int32 words, bit ``j % 32`` of word ``j // 32`` of row ``i``
+set iff query i sees tree key j (little bit order, numpy/FlashInfer ``packbits(bitorder="little")`` semantics; the
+TensorRT-LLM XQA spec-dec layout). Why:
 * only the N x N tree block is stored; the prefix is implicitly all-visible, so the mask costs nothing on prefix tiles;
 * 32x smaller than an int32 matrix, 8x smaller than bool/int8 (64 nodes: 512 bytes per request instead of 4 KiB), so a
   per-request mask for a dynamic tree stays in L1/L2 and the gather + shift + and is cheaper than reading a byte matrix;
-* it is the format peers (TRT-LLM, FlashInfer, SGLang's bit-packing mode) produce, so tree builders can emit it directly;
+* it is the format peers (TRT-LLM, FlashInfer, SGLang's bit-packing mode) produce, so tree builders can emit it
+  directly;
 * no size cap (unlike a single uint32/uint64 word per row).
-Packing happens on the host in vectorised torch (:func:`pack_tree_mask`): a handful of small tensor ops, no loop over nodes.
+Packing happens on the host in vectorised torch (:func:`pack_tree_mask`): a handful of small tensor ops, no loop over
+nodes.
 
 Tiling (designed for an H100/H200; not yet timed)
 -------------------------------------------------
@@ -66,12 +69,11 @@ Tiling (designed for an H100/H200; not yet timed)
   merges them. With one split the kernel writes the output directly (no workspace, one launch).
 * On a GPU (fp16/bf16, head_dim <= 128), ``triton.autotune`` picks BLOCK_M / BLOCK_N / warps / stages from a small list,
   keeping BLOCK_M in [M_CAP/2, M_CAP] where M_CAP = next_pow2(N * G) clamped to [16, 128]; it is keyed only on
-  constexprs and dtypes, so changing prefix/tree lengths never re-tune (a new M_CAP bucket or split/no-split does, once).
+  constexprs and dtypes, so changing prefix/tree lengths never re-tune (a new M_CAP bucket or split/no-split does,
+  once).
   ``EAGLE_FSD_TREE_ATTN_AUTOTUNE=0`` uses one fixed heuristic config instead (needed under CUDA-graph capture unless
   every shape was warmed up first). Under the interpreter there is one fixed config and no autotune.
 """
-
-from __future__ import annotations
 
 import contextlib
 import math
@@ -251,7 +253,8 @@ def _tree_attn_combine(WS_O, WS_LSE, OUT, R_TOTAL, S, HEAD_DIM: tl.constexpr, BL
 
 _INTERPRETING = type(_tree_attn_fwd).__name__ == "InterpretedFunction"
 
-# GPU autotune space (H100/H200, head_dim <= 128 in mind). BLOCK_M > M_CAP (the padded M) is pruned.
+# GPU autotune space (H100/H200, fp16/bf16, head_dim <= 128). _prune_configs keeps BLOCK_M in [M_CAP/2, M_CAP].
+# All compile without register spills for sm_90 at head_dim 128 (triton 3.9, checked offline).
 _GPU_CONFIGS = [
     triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=3),
@@ -360,8 +363,8 @@ def _check_inputs(q, k, v, tree_mask):
     if not (q.device == k.device == v.device == tree_mask.device):
         raise ValueError(f"device mismatch: q {q.device}, k {k.device}, v {v.device}, tree_mask {tree_mask.device}")
     if not (_is_packed(tree_mask, n) or (tree_mask.dim() in (2, 3) and tuple(tree_mask.shape[-2:]) == (n, n))):
-        raise ValueError(f"tree_mask must be (N, N) or (B, N, N) bool with N={n} (or packed int32 (…, N, {(n + 31) // 32})),"
-                         f" got {tuple(tree_mask.shape)} {tree_mask.dtype}")
+        raise ValueError(f"tree_mask must be (N, N) or (B, N, N) bool with N={n} (or packed int32 (..., N, "
+                         f"{(n + 31) // 32})), got {tuple(tree_mask.shape)} {tree_mask.dtype}")
     if tree_mask.dim() == 3 and tree_mask.shape[0] not in (1, B):
         raise ValueError(f"tree_mask batch {tree_mask.shape[0]} does not match q batch {B}")
     return B, hq, n, d, hkv, length
@@ -437,8 +440,8 @@ def tree_attention(
     if d < 16 or d > 256 or d & (d - 1):
         raise ValueError(f"unsupported head_dim {d}: must be a power of two in [16, 256]")
     if not kernel_available(q.device):
-        raise RuntimeError(f"tree_attention's Triton kernel cannot run on {q.device} "
-                           f"({'TRITON_INTERPRET=1 was not set before import' if q.device.type == 'cpu' else 'no CUDA'}); "
+        why = "TRITON_INTERPRET=1 was not set before import" if q.device.type == "cpu" else "no CUDA kernel"
+        raise RuntimeError(f"tree_attention's Triton kernel cannot run on {q.device} ({why}); "
                            "use tree_attention_reference or SDPA with a dense mask there")
     # The kernel assumes unit stride along head_dim (true for transformers' q/k/v and cache views); copy otherwise.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

