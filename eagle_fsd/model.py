@@ -12,8 +12,9 @@ from eagle_fsd.attention import ATTENTION_NAME, check_backend
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_head
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.fsd import FsdConfig, node_divergences
 from eagle_fsd.sampling import choose_tokens, logits_processor
-from eagle_fsd.tree.accept import accept
+from eagle_fsd.tree.accept import accept, fuzzy_choices
 from eagle_fsd.tree.dynamic import chain_tree
 
 
@@ -23,12 +24,28 @@ class GenerateOutput:
     new_tokens: int = 0
     verify_steps: int = 0                    # target forwards after prefill (one per step)
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per step (bonus excluded)
+    fuzzy_accepts: list[int] = field(default_factory=list)   # of those, accepted only by the FSD rule
+    divergences: list[list[float]] = field(default_factory=list)  # per step, D at each visited node with children
     wall_time: float = 0.0
 
     @property
     def tau(self) -> float:
         """Mean tokens per verification forward, bonus token included (SGLang/vLLM/EAGLE convention)."""
         return sum(a + 1 for a in self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+    @property
+    def fuzzy_fraction(self) -> float:
+        """Share of the accepted draft tokens that only the FSD rule accepted."""
+        return sum(self.fuzzy_accepts) / max(sum(self.accept_lengths), 1)
+
+    def acceptance_by_depth(self) -> list[float]:
+        """[d-1] = P(a draft token at depth d is accepted | its parent was), over all steps."""
+        deepest = max(self.accept_lengths, default=0)
+        rates = []
+        for d in range(1, deepest + 1):
+            reached = sum(a >= d - 1 for a in self.accept_lengths)
+            rates.append(sum(a >= d for a in self.accept_lengths) / reached)
+        return rates
 
 
 def _eos_ids(model, eos_token_id) -> set[int]:
@@ -53,6 +70,8 @@ class EaFsdModel(torch.nn.Module):
         self.drafter = drafter
         self.total_token, self.depth, self.top_k = total_token, depth, top_k
         self._check_tree_args(total_token, depth, top_k)
+        # the token vocabulary: logit rows beyond it (padding) are not tokens
+        self.vocab_size = len(tokenizer) if tokenizer is not None else base_model.config.vocab_size
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -98,14 +117,20 @@ class EaFsdModel(torch.nn.Module):
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None):
-        """Speculative decoding. Greedy output is token-for-token the target's own greedy output; sampling output
-        follows the target's processed distribution exactly."""
+                 top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None,
+                 fsd_threshold: float | None = None, fsd_divergence: str = "kl_qp", fsd_mode: str = "reducible",
+                 fsd_distributions: str = "raw", fsd_top_k: int | None = None, fsd: FsdConfig | None = None):
+        """Speculative decoding. Without FSD (fsd_threshold=None) greedy output is token-for-token the target's own
+        greedy output and sampling output follows the target's processed distribution exactly. With a threshold T,
+        a draft token is also accepted when Div(target, draft) at its parent is under T (see tree/accept.py); `fsd`
+        takes the same settings as one FsdConfig."""
         if self.drafter is None:
             raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
                              "or use naive_generate for plain decoding")
+        if fsd is None:
+            fsd = FsdConfig(fsd_threshold, fsd_divergence, fsd_mode, fsd_distributions, fsd_top_k)
         return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
-                              return_dict, eos_token_id)
+                              return_dict, eos_token_id, fsd)
 
     @torch.no_grad()
     def naive_generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
@@ -154,7 +179,7 @@ class EaFsdModel(torch.nn.Module):
                              "max_new_tokens")
 
     def _generate(self, input_ids, drafter, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
-                  eos_token_id):
+                  eos_token_id, fsd: FsdConfig | None = None):
         processor = logits_processor(temperature, top_p, top_k)
         self._check_generate_args(input_ids, max_new_tokens)
         start = time.perf_counter()
@@ -177,7 +202,7 @@ class EaFsdModel(torch.nn.Module):
 
         generated: list[int] = []
         out = GenerateOutput(sequences=input_ids)
-        done = self._emit(generated, root.reshape(1), eos, max_new_tokens, streamer)
+        done = self._emit(generated, [int(root)], eos, max_new_tokens, streamer)
         while not done:
             if drafter is None:
                 tree = chain_tree(root.reshape(1))
@@ -187,14 +212,23 @@ class EaFsdModel(torch.nn.Module):
             committed = cache.get_seq_length()
             hidden = decoder_forward(model, tree.tokens, cache, prefix_tree_mask(committed, tree.tree_mask),
                                      committed + tree.depths)
-            choice = choose_tokens(model.get_output_embeddings()(hidden), processor)
-            path, accept_length, root = accept(tree, choice)
-            cache.keep(committed, path)
-            new = torch.cat([tree.tokens[path[1:]], root.reshape(1)])
-            out.accept_lengths.append(accept_length)
-            done = self._emit(generated, new, eos, max_new_tokens, streamer)
+            logits = model.get_output_embeddings()(hidden)
+            target_choice = choose_tokens(logits, processor)
+            if fsd is not None and fsd.active:
+                divergences = node_divergences(tree, logits, fsd, self.vocab_size, processor)
+                choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
+                step = accept(tree, choice, blocked, target_choice, divergences)
+            else:
+                step = accept(tree, target_choice)
+            cache.keep(committed, step.path)
+            out.accept_lengths.append(step.accept_length)
+            out.fuzzy_accepts.append(step.fuzzy)
+            out.divergences.append(step.divergences)
+            done = self._emit(generated, step.tokens, eos, max_new_tokens, streamer)
+            root = step.next_token
             if not done and drafter is not None:
-                root_logprobs, root_state = drafter.extend(new, hidden[path])
+                new = torch.tensor(step.tokens, device=device)
+                root_logprobs, root_state = drafter.extend(new, hidden[step.path])
 
         if streamer is not None:
             streamer.end()
@@ -206,10 +240,10 @@ class EaFsdModel(torch.nn.Module):
         return out if return_dict else out.sequences
 
     @staticmethod
-    def _emit(generated: list[int], new: torch.Tensor, eos: set[int], max_new_tokens: int, streamer) -> bool:
+    def _emit(generated: list[int], new: list[int], eos: set[int], max_new_tokens: int, streamer) -> bool:
         """Append a step's tokens to `generated`, cut at the first eos or at the token budget; True when done."""
         kept = []
-        for token in new.tolist()[: max_new_tokens - len(generated)]:
+        for token in new[: max_new_tokens - len(generated)]:
             kept.append(token)
             if token in eos:
                 break

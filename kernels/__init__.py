@@ -4,6 +4,7 @@ Importing this package builds the Triton kernels; on a machine without CUDA set 
 (tests/conftest.py does) so they run in the Triton CPU interpreter.
 """
 
+from .divergence import FUSED_DIVERGENCES, fused_divergence, fused_divergence_available
 from .tree_attention import (
     is_interpreting,
     kernel_available,
@@ -20,4 +21,7 @@ __all__ = [
     "unpack_tree_mask",
     "is_interpreting",
     "kernel_available",
+    "fused_divergence",
+    "fused_divergence_available",
+    "FUSED_DIVERGENCES",
 ]

@@ -79,7 +79,8 @@ def test_accept_matches_brute_force_walk():
         tree = select_tree(torch.tensor(0), tokens, scores, parents, depths, torch.full((tokens.numel() + 1,), -1),
                            15, 4)
         choice = torch.randint(0, 6, (tree.size,), generator=gen)
-        path, accept_length, next_token = accept(tree, choice)
+        step = accept(tree, choice)
+        path, accept_length, next_token = step.path, step.accept_length, step.next_token
         node, walk = 0, [0]
         while True:
             kids = [c for c in range(tree.size) if tree.parents[c] == node and tree.tokens[c] == choice[node]]
@@ -88,6 +89,7 @@ def test_accept_matches_brute_force_walk():
             assert len(kids) == 1
             node = kids[0]; walk.append(node)
         assert path.tolist() == walk and accept_length == len(walk) - 1 and next_token == choice[node]
+        assert step.tokens == tree.tokens[walk[1:]].tolist() + [int(choice[node])] and step.fuzzy == 0
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

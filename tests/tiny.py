@@ -4,6 +4,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
 
+# Tiny models run fastest on one thread (and leave the other core to the real-weights tests' setup).
+torch.set_num_threads(1)
+
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
 

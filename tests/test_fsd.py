@@ -1,0 +1,129 @@
+"""FSD acceptance rules on hand-built trees and on tiny models."""
+import math
+
+import pytest
+import torch
+
+from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.tree.accept import accept, fuzzy_choices, top_child
+from eagle_fsd.tree.dynamic import DraftTree, ancestor_table, tree_mask_from_ancestors
+from tiny import hf_greedy, tiny_model
+
+
+def hand_tree():
+    """root(0) -> children 10 (top-ranked), 11, 12; node(10) -> 20 (top), 21; node(11) -> 30."""
+    tokens = torch.tensor([0, 10, 11, 12, 20, 21, 30])
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2])
+    depths = torch.tensor([0, 1, 1, 1, 2, 2, 2])
+    anc = ancestor_table(parents, depths, 2)
+    return DraftTree(tokens, parents, depths, anc, tree_mask_from_ancestors(anc, depths), torch.zeros(7),
+                     torch.tensor([0, 1, 2, -1, -1, -1, -1]))
+
+
+def test_top_child_is_first_sibling():
+    assert top_child(hand_tree()).tolist() == [1, 4, 6, -1, -1, -1, -1]
+
+
+def test_reducible_rule():
+    tree = hand_tree()
+    div = torch.tensor([0.2, 0.5, 0.1, math.nan, math.nan, math.nan, math.nan])
+    # target: root -> 99 (no child), node(10) -> 99, node(11) -> 30 (a match)
+    target = torch.tensor([99, 99, 30, 5, 6, 7, 8])
+    # T = 0 is the lossless rule: nothing accepted, the next token is the target's 99
+    choice, blocked = fuzzy_choices(tree, target, div, 0.0, "reducible")
+    step = accept(tree, choice, blocked, target, div)
+    assert torch.equal(choice, target) and step.accept_length == 0 and step.tokens == [99] and step.fuzzy == 0
+    # T = 0.3: root's D (0.2) < T -> top child 10 fuzzily; node(10)'s D (0.5) >= T -> stop with its own choice
+    choice, blocked = fuzzy_choices(tree, target, div, 0.3, "reducible")
+    step = accept(tree, choice, blocked, target, div)
+    assert step.path.tolist() == [0, 1] and step.tokens == [10, 99] and step.fuzzy == 1
+    assert step.divergences == pytest.approx([0.2, 0.5])
+    # when the target's own choice is a child, the lossless match wins over the top-ranked child
+    target2 = torch.tensor([11, 99, 30, 5, 6, 7, 8])
+    choice, blocked = fuzzy_choices(tree, target2, div, 10.0, "reducible")
+    step = accept(tree, choice, blocked, target2, div)
+    assert step.path.tolist() == [0, 2, 6] and step.tokens == [11, 30, 8] and step.fuzzy == 0
+    # NaN divergence never accepts
+    nan_div = torch.full((7,), math.nan)
+    choice, _ = fuzzy_choices(tree, target, nan_div, math.inf, "reducible")
+    assert torch.equal(choice, target)
+
+
+def test_original_rule():
+    tree = hand_tree()
+    div = torch.tensor([0.2, 0.5, 0.1, math.nan, math.nan, math.nan, math.nan])
+    target = torch.tensor([11, 21, 30, 5, 6, 7, 8])
+    # T = 0: D > 0 everywhere, so even the exact match 11 is not accepted: one target token per step
+    choice, blocked = fuzzy_choices(tree, target, div, 0.0, "original")
+    step = accept(tree, choice, blocked, target, div)
+    assert step.accept_length == 0 and step.tokens == [11]
+    # T = 0.3: root takes its top child 10 (although the target chose 11); node(10) has D 0.5 > T: stop, emit 21
+    choice, blocked = fuzzy_choices(tree, target, div, 0.3, "original")
+    step = accept(tree, choice, blocked, target, div)
+    assert step.tokens == [10, 21] and step.fuzzy == 1
+    # T = inf: the top-ranked path to a leaf
+    choice, blocked = fuzzy_choices(tree, target, div, math.inf, "original")
+    assert accept(tree, choice, blocked, target, div).tokens == [10, 20, 6]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(threshold=-0.1), "fsd_threshold"), (dict(threshold=math.nan), "fsd_threshold"),
+    (dict(threshold=0.1, divergence="kl"), "fsd_divergence"), (dict(threshold=0.1, mode="lossy"), "fsd_mode"),
+    (dict(threshold=0.1, distributions="warped"), "fsd_distributions"), (dict(threshold=0.1, top_k=0), "fsd_top_k"),
+])
+def test_bad_fsd_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FsdConfig(**kwargs)
+
+
+def pair(seed_target=1, seed_draft=9, **tree):
+    target = tiny_model(seed=seed_target)
+    draft = tiny_model(seed=seed_draft)
+    return target, EaFsdModel(target, None, LMDrafter(draft, 1000), **tree)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_reducible_at_zero_is_bit_identical(temperature):
+    target, model = pair(total_token=20, depth=3, top_k=4)
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for fsd in (None, 0.0):
+        torch.manual_seed(123)
+        runs.append(model.generate(ids, max_new_tokens=30, temperature=temperature, eos_token_id=[],
+                                   fsd_threshold=fsd, return_dict=True))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].accept_lengths == runs[1].accept_lengths and sum(runs[1].fuzzy_accepts) == 0
+
+
+@pytest.mark.parametrize("mode", ["reducible", "original"])
+@pytest.mark.parametrize("divergence", ["kl_qp", "kl_pq", "jsd", "tv", "legacy_js"])
+def test_infinite_threshold_accepts_to_the_depth_limit(mode, divergence):
+    target, model = pair(total_token=8, depth=4, top_k=1)  # a chain of 5 draft tokens
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
+    out = model.generate(ids, max_new_tokens=40, eos_token_id=[], fsd_threshold=math.inf, fsd_mode=mode,
+                         fsd_divergence=divergence, return_dict=True)
+    assert out.accept_lengths == [5] * len(out.accept_lengths) and out.tau == 6.0
+    assert out.fuzzy_fraction > 0.9  # random draft and target: nearly every token was accepted only fuzzily
+
+
+def test_original_at_zero_is_plain_decoding():
+    """Original FSD at T = 0 accepts a draft token only where D is exactly 0; for a different drafter, never:
+    every step emits one target token, so greedy output is the target's own."""
+    target, model = pair(total_token=20, depth=3, top_k=4)
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(2))
+    out = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd_threshold=0.0, fsd_mode="original",
+                         return_dict=True)
+    assert set(out.accept_lengths) == {0}
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 20))
+
+
+def test_fsd_config_object_equals_keywords():
+    target, model = pair(total_token=20, depth=3, top_k=4)
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(3))
+    a = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd_threshold=3.0, fsd_divergence="tv")
+    b = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd=FsdConfig(3.0, "tv"))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="fsd_divergence"):
+        model.generate(ids, max_new_tokens=5, fsd_threshold=0.1, fsd_divergence="nope")

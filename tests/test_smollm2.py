@@ -1,0 +1,91 @@
+"""Integration on real weights: the SmolLM2-135M-Instruct preset in fp32 (fetched by the README's setup)."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle_fsd import presets
+from eagle_fsd.attention import ATTENTION_NAME
+from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter, head_config
+from eagle_fsd.model import EaFsdModel
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France? Answer in one sentence.",
+           "List three prime numbers and explain why they are prime.",
+           "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def all_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(2, previous))
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = presets.resolve_model("smollm2-135m-instruct")
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION_NAME).eval()
+    # Its first 4 layers are a real-weights LM drafter (a valid drafter that accepts little: fine for parity).
+    truncated = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, num_hidden_layers=4,
+                                                     attn_implementation=ATTENTION_NAME).eval()
+    return target, truncated, AutoTokenizer.from_pretrained(path)
+
+
+def encode(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def random_head(target):
+    cfg, _, _ = head_config({**target.config.to_dict(), "num_hidden_layers": 1})
+    cfg._attn_implementation = ATTENTION_NAME
+    torch.manual_seed(0)
+    return EagleHead(cfg).eval()
+
+
+@pytest.mark.parametrize("drafter_kind,shape", [
+    ("lm", (60, 5, 10)), ("lm", (10, 1, 8)), ("lm", (7, 6, 1)), ("eagle", (60, 5, 10)), ("eagle", (16, 3, 4)),
+])
+def test_greedy_is_the_targets_greedy(smollm2, drafter_kind, shape):
+    target, truncated, tok = smollm2
+    drafter = LMDrafter(truncated, target.config.vocab_size) if drafter_kind == "lm" else \
+        EagleDrafter(random_head(target), target)
+    model = EaFsdModel(target, tok, drafter, *shape)
+    for text in PROMPTS[:2]:
+        ids = encode(tok, text)
+        reference = target.generate(ids, do_sample=False, max_new_tokens=48)
+        out = model.generate(ids, max_new_tokens=48, return_dict=True)
+        assert torch.equal(out.sequences, reference), tok.decode(out.sequences[0, ids.shape[1]:])
+        assert out.new_tokens == reference.shape[1] - ids.shape[1]
+
+
+def test_reducible_fsd_at_zero_is_bit_identical(smollm2):
+    target, truncated, tok = smollm2
+    model = EaFsdModel(target, tok, LMDrafter(truncated, target.config.vocab_size), 12, 3, 3)
+    ids = encode(tok, PROMPTS[2])
+    for temperature in (0.0, 0.8):
+        runs = []
+        for threshold in (None, 0.0):
+            torch.manual_seed(7)
+            runs.append(model.generate(ids, max_new_tokens=24, temperature=temperature, top_p=0.95,
+                                       fsd_threshold=threshold))
+        assert torch.equal(runs[0], runs[1])
+
+
+def test_accept_length_grows_with_threshold(smollm2):
+    """Mean accept length over the same prompts is non-decreasing across a sweep of T (greedy, KL(q||p))."""
+    target, truncated, tok = smollm2
+    model = EaFsdModel(target, tok, LMDrafter(truncated, target.config.vocab_size), 12, 4, 2)
+    taus = []
+    for threshold in (0.0, 0.5, 2.0, 8.0, math.inf):
+        steps = []
+        for text in PROMPTS[:2]:
+            steps += model.generate(encode(tok, text), max_new_tokens=24, fsd_threshold=threshold,
+                                    return_dict=True).accept_lengths
+        taus.append(sum(a + 1 for a in steps) / len(steps))
+    assert taus == sorted(taus), taus
+    assert taus[-1] > 2 * taus[0], taus
