@@ -208,18 +208,9 @@ class EaFsdModel(torch.nn.Module):
                 tree = chain_tree(root.reshape(1))
             else:
                 tree = grow_tree(drafter, root, root_logprobs, root_state, self.total_token, self.depth, self.top_k)
-            # Verification: all tree nodes in one target forward, node i at position committed + depth(i).
             committed = cache.get_seq_length()
-            hidden = decoder_forward(model, tree.tokens, cache, prefix_tree_mask(committed, tree.tree_mask),
-                                     committed + tree.depths)
-            logits = model.get_output_embeddings()(hidden)
-            target_choice = choose_tokens(logits, processor)
-            if fsd is not None and fsd.active:
-                divergences = node_divergences(tree, logits, fsd, self.vocab_size, processor)
-                choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
-                step = accept(tree, choice, blocked, target_choice, divergences)
-            else:
-                step = accept(tree, target_choice)
+            logits, hidden = self._verify(tree, cache)
+            step = self._accept(tree, logits, processor, fsd)
             cache.keep(committed, step.path)
             out.accept_lengths.append(step.accept_length)
             out.fuzzy_accepts.append(step.fuzzy)
@@ -238,6 +229,21 @@ class EaFsdModel(torch.nn.Module):
         out.verify_steps = len(out.accept_lengths)
         out.wall_time = time.perf_counter() - start
         return out if return_dict else out.sequences
+
+    def _verify(self, tree, cache):
+        """All tree nodes in one target forward, node i at position committed + depth(i): (logits, hidden)."""
+        committed = cache.get_seq_length()
+        hidden = decoder_forward(self.base_model, tree.tokens, cache, prefix_tree_mask(committed, tree.tree_mask),
+                                 committed + tree.depths)
+        return self.base_model.get_output_embeddings()(hidden), hidden
+
+    def _accept(self, tree, logits, processor, fsd: FsdConfig | None):
+        target_choice = choose_tokens(logits, processor)
+        if fsd is None or not fsd.active:
+            return accept(tree, target_choice)
+        divergences = node_divergences(tree, logits, fsd, self.vocab_size, processor)
+        choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
+        return accept(tree, choice, blocked, target_choice, divergences)
 
     @staticmethod
     def _emit(generated: list[int], new: list[int], eos: set[int], max_new_tokens: int, streamer) -> bool:

