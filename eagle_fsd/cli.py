@@ -34,9 +34,9 @@ def run_main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--total-token", type=int, default=60)
+    p.add_argument("--total-token", type=int, default=None, help="tree nodes incl. root (default 60 on GPU, 24 on CPU)")
     p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--top-k", type=int, default=None, help="branching (default 10 on GPU, 4 on CPU)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
     p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
@@ -44,6 +44,10 @@ def run_main(argv=None) -> int:
     p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding comparison")
     args = p.parse_args(argv)
+    # EAGLE's GPU tree (60 nodes) is too big for a CPU, where verification cost grows with the tree (BENCHMARKS.md).
+    gpu = torch.cuda.is_available()
+    args.total_token = args.total_token or (60 if gpu else 24)
+    args.top_k = args.top_k or (10 if gpu else 4)
 
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
                                        total_token=args.total_token, depth=args.depth, top_k=args.top_k,

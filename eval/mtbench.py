@@ -29,7 +29,7 @@ RECORD_VERSION = 1
 
 # ---------------------------------------------------------------- model loading (shared with sweep and chat)
 def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = ("--max-new-token", "--max-new-tokens"),
-                   max_new_default: int = 1024) -> None:
+                   max_new_default: int = 1024, baseline_flag: bool = True) -> None:
     """The model / drafter / tree / sampling / FSD flags every harness command shares (EAGLE's names where it has
     one)."""
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="preset name, hub id or directory")
@@ -39,21 +39,45 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
     p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
-    p.add_argument("--total-token", type=int, default=60)
+    p.add_argument("--total-token", type=int, default=None, help="tree nodes incl. root (default 60 on GPU, 24 on CPU)")
     p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=10, help="draft tree branching (EAGLE's --top-k), not sampling")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="draft tree branching (EAGLE's --top-k), not sampling (default 10 on GPU, 4 on CPU)")
     p.add_argument(*max_new_flag, dest="max_new_token", type=int, default=max_new_default)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--conv-template", default=None,
                    help="FastChat conversation template (e.g. vicuna_v1.1) for models without a chat template")
-    p.add_argument("--baseline", action="store_true", help="plain decoding with the target alone (naive_generate)")
+    if baseline_flag:
+        p.add_argument("--baseline", action="store_true", help="plain decoding with the target alone (naive_generate)")
+    else:
+        p.set_defaults(baseline=False)
 
 
-def add_fsd_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
-    p.add_argument("--fsd-divergence", default="kl_qp", help="divergence name (eagle_fsd.divergence.DIVERGENCES)")
+def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True) -> None:
+    from eagle_fsd.divergence import DIVERGENCES
+
+    if threshold_flag:
+        p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
+    else:
+        p.set_defaults(fsd_threshold=None)
+    p.add_argument("--fsd-divergence", default="kl_qp", help=f"one of {', '.join(DIVERGENCES)}")
     p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
+
+
+def finish_model_args(p: argparse.ArgumentParser, args) -> None:
+    """Device-dependent tree defaults, and bad FSD values failing at parse time, not after minutes of loading."""
+    from eagle_fsd.fsd import FsdConfig
+
+    # EAGLE's GPU tree (60 nodes, top-k 10) is too big for a CPU, where verification cost grows with the tree
+    # (the same defaults as `eagle-fsd run`).
+    gpu = torch.cuda.is_available()
+    args.total_token = args.total_token or (60 if gpu else 24)
+    args.top_k = args.top_k or (10 if gpu else 4)
+    try:
+        FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)
+    except ValueError as err:
+        p.error(str(err))
 
 
 def torch_dtype(name: str):
@@ -275,6 +299,7 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true", help="skip questions already in the answer file")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up generation")
     args = p.parse_args(argv)
+    finish_model_args(p, args)
     if args.limit is not None and args.limit <= 0:
         p.error(f"--limit {args.limit}: must be a positive number of questions")
     args.model_id = args.model_id or default_model_id(args)
@@ -319,17 +344,24 @@ def main(argv=None) -> int:
         warm_up(model, args, fmt)
     tokens = seconds = steps = accepted = 0
     bar = tqdm(todo, unit="q", desc=args.model_id, dynamic_ncols=True)
-    for question in bar:
-        record = answer_question(model, question, args, fmt)
-        append_record(args.answer_file, record)
-        choice = record["choices"][0]
-        tokens += sum(choice["new_tokens"])
-        seconds += sum(choice["wall_time"])
-        steps += sum(choice["verify_steps"])
-        accepted += sum(sum(a) for a in choice["accept_lengths"])
-        bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.2f}", tau=f"{(accepted + steps) / max(steps, 1):.2f}")
+    written = 0
+    try:
+        for question in bar:
+            record = answer_question(model, question, args, fmt)
+            append_record(args.answer_file, record)
+            written += 1
+            choice = record["choices"][0]
+            tokens += sum(choice["new_tokens"])
+            seconds += sum(choice["wall_time"])
+            steps += sum(choice["verify_steps"])
+            accepted += sum(sum(a) for a in choice["accept_lengths"])
+            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.2f}", tau=f"{(accepted + steps) / max(steps, 1):.2f}")
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\ninterrupted: {written} new answers are in {args.answer_file}; add --resume to continue")
+        return 130
     bar.close()
-    print(f"{len(todo)} answers appended to {args.answer_file}; report: eagle-fsd speed {args.answer_file}")
+    print(f"{written} answers appended to {args.answer_file}; report: eagle-fsd speed {args.answer_file}")
     return 0
 
 

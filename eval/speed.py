@@ -101,8 +101,8 @@ def fmt(value, spec=".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(r: dict, out=sys.stdout) -> None:
-    w = out.write
+def print_table(r: dict, out=None) -> None:
+    w = (out or sys.stdout).write
     w(f"{r['file']}  ({r.get('model_id')})\n")
     w(f"  questions / turns      {r['questions']} / {r['turns']}\n")
     w(f"  new tokens / seconds   {r['new_tokens']} / {r['wall_time']:.2f}\n")

@@ -1,0 +1,303 @@
+"""Interactive chat with live speculative-decoding statistics.
+
+    eagle-fsd chat --model qwen2.5-coder-1.5b-instruct [--fsd-threshold 0.5]
+    eagle-fsd chat --model qwen2.5-coder-1.5b-instruct --prompt "Write a haiku"   # one reply, for scripts
+    echo "Write a haiku" | eagle-fsd chat --prompt -
+
+Replies stream as they are decoded; the conversation is kept as chat history. After each reply: tokens/s, tau
+(tokens per target forward) and the fuzzy fraction (share of accepted draft tokens only FSD accepted). Ctrl-C stops
+the current reply and keeps what was written of it; at the prompt, Ctrl-C clears the line and Ctrl-D leaves.
+
+Commands: /fsd T | /fsd off, /divergence NAME, /temp X, /reset, /stats, /help, /quit
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from contextlib import contextmanager
+
+from transformers import TextStreamer
+
+from eagle_fsd.divergence import DIVERGENCES
+from eagle_fsd.eval.mtbench import (PromptFormat, add_fsd_args, add_model_args, finish_model_args, generate,
+                                    load_model)
+from eagle_fsd.fsd import FsdConfig
+
+COMMANDS_HELP = """commands:
+  /fsd T          fuzzy acceptance with threshold T (>= 0)      /fsd off   lossless again
+  /divergence N   FSD divergence, one of: {divergences}
+  /temp X         sampling temperature (0 = greedy)
+  /reset          forget the conversation          /stats   session statistics and settings
+  /help           this text                         /quit    leave"""
+
+
+class ReplyInterrupted(Exception):
+    """Raised inside generation (by the streamer) when the user pressed Ctrl-C."""
+
+
+class InterruptFlag:
+    """SIGINT while a reply is generating asks it to stop at the next decoding step (the streamer checks the flag);
+    a second one, or one while idle, is an ordinary KeyboardInterrupt."""
+
+    def __init__(self):
+        self.generating = False
+        self.requested = False
+
+    def handler(self, signum, frame):
+        if self.generating and not self.requested:
+            self.requested = True
+            return
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self):
+        previous = signal.signal(signal.SIGINT, self.handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+class ChatStreamer(TextStreamer):
+    """Prints the reply as it decodes, keeps its token ids, and stops generation when interrupted."""
+
+    def __init__(self, tokenizer, out, flag: InterruptFlag):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.out, self.flag, self.ids = out, flag, []
+
+    def put(self, value):
+        if self.flag.requested:
+            raise ReplyInterrupted
+        if not self.next_tokens_are_prompt:
+            self.ids.extend(value.reshape(-1).tolist())
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        self.out.write(text + ("\n" if stream_end else ""))
+        self.out.flush()
+
+
+class Totals:
+    """Session sums for /stats (interrupted replies count tokens and time, not steps)."""
+
+    def __init__(self):
+        self.replies = self.tokens = self.steps = self.accepted = self.fuzzy = 0
+        self.seconds = 0.0
+
+    def add(self, out) -> None:
+        self.replies += 1
+        self.tokens += out.new_tokens
+        self.seconds += out.wall_time
+        self.steps += out.verify_steps
+        self.accepted += sum(out.accept_lengths)
+        self.fuzzy += sum(out.fuzzy_accepts)
+
+    def line(self) -> str:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        tau = (self.accepted + self.steps) / self.steps if self.steps else float("nan")
+        fuzzy = self.fuzzy / self.accepted if self.accepted else 0.0
+        return (f"{self.replies} replies, {self.tokens} tokens in {self.seconds:.2f} s = {tps:.2f} tokens/s, "
+                f"tau {tau:.2f}, fuzzy fraction {fuzzy:.2f}")
+
+
+def reply_stats(out) -> str:
+    tps = out.new_tokens / out.wall_time if out.wall_time else 0.0
+    return (f"[{out.new_tokens} tokens, {tps:.2f} tokens/s, tau {out.tau:.2f}, "
+            f"fuzzy fraction {out.fuzzy_fraction:.2f}]")
+
+
+class ChatSession:
+    """A conversation (history through the chat template) plus the settings the slash commands change.
+
+    out: where replies stream; info: where statistics and command answers go."""
+
+    def __init__(self, model, fmt: PromptFormat, args, out=sys.stdout, info=None):
+        self.model, self.fmt, self.args = model, fmt, args
+        self.out, self.info = out, info or out
+        self.messages: list[dict] = []
+        self.totals = Totals()
+        self.flag = InterruptFlag()
+
+    def say(self, text: str) -> None:
+        self.info.write(text + "\n")
+        self.info.flush()
+
+    # ------------------------------------------------------------ settings
+    def settings_line(self) -> str:
+        a = self.args
+        mode = "plain decoding" if a.baseline else (
+            "lossless" if a.fsd_threshold is None else f"FSD {a.fsd_divergence} T={a.fsd_threshold:g} ({a.fsd_mode})")
+        return f"{mode}, temperature {a.temperature:g}, max {a.max_new_token} new tokens"
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False when the session should end."""
+        name, _, value = line[1:].strip().partition(" ")
+        value = value.strip()
+        if name in ("quit", "exit", "q"):
+            return False
+        handler = {"fsd": self.set_fsd, "divergence": self.set_divergence, "temp": self.set_temperature,
+                   "reset": self.reset, "stats": self.stats, "help": self.help}.get(name)
+        if handler is None:
+            self.say(f"unknown command /{name}; /help lists them")
+        else:
+            handler(value)
+        return True
+
+    def set_fsd(self, value: str) -> None:
+        if value == "off":
+            self.args.fsd_threshold = None
+        else:
+            try:
+                threshold = float(value)
+                FsdConfig(threshold, self.args.fsd_divergence, self.args.fsd_mode)
+            except ValueError:
+                self.say(f"/fsd {value!r}: expected a threshold >= 0 (e.g. /fsd 0.5) or /fsd off")
+                return
+            self.args.fsd_threshold = threshold
+        if self.args.baseline:
+            self.say("note: --baseline runs plain decoding; FSD settings apply without it")
+        self.say(self.settings_line())
+
+    def set_divergence(self, value: str) -> None:
+        if value not in DIVERGENCES:
+            self.say(f"/divergence {value!r}: expected one of {', '.join(DIVERGENCES)}")
+            return
+        self.args.fsd_divergence = value
+        self.say(self.settings_line())
+
+    def set_temperature(self, value: str) -> None:
+        try:
+            temperature = float(value)
+            if not temperature >= 0:
+                raise ValueError
+        except ValueError:
+            self.say(f"/temp {value!r}: expected a number >= 0 (0 = greedy)")
+            return
+        self.args.temperature = temperature
+        self.say(self.settings_line())
+
+    def reset(self, _value: str = "") -> None:
+        self.messages.clear()
+        self.say("conversation cleared")
+
+    def stats(self, _value: str = "") -> None:
+        self.say(f"session: {self.totals.line()}\nsettings: {self.settings_line()}; "
+                 f"{len(self.messages) // 2} exchanges in the history")
+
+    def help(self, _value: str = "") -> None:
+        self.say(COMMANDS_HELP.format(divergences=", ".join(DIVERGENCES)))
+
+    # ------------------------------------------------------------ replies
+    def reply(self, text: str) -> str | None:
+        """Stream the model's reply to `text`; it joins the history even when cut short by Ctrl-C."""
+        self.messages.append({"role": "user", "content": text})
+        ids = self.fmt.encode(self.messages)
+        streamer = ChatStreamer(self.model.tokenizer, self.out, self.flag)
+        self.flag.generating, self.flag.requested = True, False
+        start = time.perf_counter()
+        try:
+            out = generate(self.model, ids, self.args, self.fmt, streamer=streamer)
+        except (ReplyInterrupted, KeyboardInterrupt):
+            return self._keep_partial(streamer, time.perf_counter() - start)
+        except ValueError as err:  # e.g. the history outgrew the model's context
+            self.messages.pop()
+            self.say(f"\nerror: {err}\n(/reset starts a new conversation)")
+            return None
+        finally:
+            self.flag.generating = False
+        answer = self.fmt.decode(out.sequences[0, ids.shape[1]:])
+        self.messages.append({"role": "assistant", "content": answer})
+        self.totals.add(out)
+        self.say(reply_stats(out))
+        return answer
+
+    def _keep_partial(self, streamer: ChatStreamer, seconds: float) -> str:
+        partial = self.fmt.decode(streamer.ids)
+        streamer.end()  # prints what the streamer still held back, and a newline
+        self.messages.append({"role": "assistant", "content": partial})
+        self.totals.replies += 1
+        self.totals.tokens += len(streamer.ids)
+        self.totals.seconds += seconds
+        self.say(f"[interrupted after {len(streamer.ids)} tokens; the partial reply stays in the conversation]")
+        return partial
+
+
+def run_lines(session: ChatSession, lines, prompt: str | None = None) -> int:
+    """The chat loop over input lines (stdin, or a list in tests): messages, and slash commands."""
+    lines = iter(lines)
+    while True:
+        if prompt is not None:
+            session.out.write(prompt)
+            session.out.flush()
+        line = next(lines, None)
+        if line is None:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not session.command(line):
+                break
+            continue
+        session.reply(line)
+    return 0
+
+
+def interactive_lines():
+    """Lines typed at a terminal (with line editing where readline exists)."""
+    try:
+        import readline  # noqa: F401  (input() gains history and editing)
+    except ImportError:
+        pass
+    while True:
+        try:
+            yield input()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, as in a shell
+            print()
+            yield ""
+        except EOFError:
+            print()
+            return
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="eagle-fsd chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p, max_new_flag=("--max-new-tokens", "--max-new-token"), max_new_default=512)
+    add_fsd_args(p)
+    p.add_argument("--system", default=None, help="system message (default: the chat template's)")
+    p.add_argument("--prompt", default=None, help="answer this one message and exit ('-': read it from stdin)")
+    args = p.parse_args(argv)
+    finish_model_args(p, args)
+    return args
+
+
+def run(model, args, stdin=None, stdout=None, stderr=None) -> int:
+    """Chat with a loaded model: one --prompt, or lines from stdin (interactive at a terminal)."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    fmt = PromptFormat(model.tokenizer, args.conv_template, args.system)
+    if args.prompt is not None:
+        # Scripts: the reply on stdout, the statistics on stderr (so `$(eagle-fsd chat --prompt ...)` is the reply).
+        session = ChatSession(model, fmt, args, out=stdout, info=stderr)
+        text = stdin.read() if args.prompt == "-" else args.prompt
+        with session.flag.installed():
+            return 0 if session.reply(text.strip()) is not None else 1
+    session = ChatSession(model, fmt, args, out=stdout)
+    tty = stdin.isatty()
+    if tty:
+        session.say(f"{args.model}: {session.settings_line()}. /help for commands, Ctrl-D to leave.")
+    with session.flag.installed():
+        return run_lines(session, interactive_lines() if tty and stdin is sys.stdin else stdin,
+                         prompt=">>> " if tty else None)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    model = load_model(args)
+    return run(model, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

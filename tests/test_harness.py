@@ -1,0 +1,288 @@
+"""The evaluation harness: MT-Bench answers (FastChat schema, resume), the speed report's arithmetic, the quality/speed
+sweep (CSV + PNG, resume), HumanEval sandboxed execution and GSM8K answer matching. Tiny random models with the real
+SmolLM2 tokenizer (for its chat template)."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from eagle_fsd import presets
+from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.eval import gsm8k, humaneval, mtbench, speed, sweep
+from eagle_fsd.model import EaFsdModel
+from tiny import tiny_model
+
+torch.set_num_threads(1)
+VOCAB = 49152  # SmolLM2's
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Say hello.", "Now say it louder."]},
+    {"question_id": 82, "category": "math", "turns": ["What is 2 + 2?", "And times 3?"]},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not presets.is_fetched("smollm2-135m-instruct"):
+        pytest.skip("needs the SmolLM2 preset's tokenizer: eagle-fsd models fetch smollm2-135m-instruct")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(presets.resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    target = tiny_model(vocab=VOCAB, seed=1, max_position_embeddings=4096)
+    # The target drafting for itself accepts whole paths: tau > 1 shows up in the records.
+    return EaFsdModel(target, tokenizer, LMDrafter(target, VOCAB), total_token=8, depth=3, top_k=2)
+
+
+@pytest.fixture
+def use_model(monkeypatch, model):
+    """Every harness command gets the tiny model instead of loading --model."""
+    calls = []
+
+    def fake_load(args):
+        calls.append(args)
+        return model
+
+    monkeypatch.setattr(mtbench, "load_model", fake_load)
+    monkeypatch.setattr(sweep, "load_model", fake_load)
+    return calls
+
+
+# ---------------------------------------------------------------- MT-Bench answers
+def fastchat_load_model_answers(answer_dir):
+    """FastChat's loader (fastchat.llm_judge.common.load_model_answers) when importable (it needs openai and
+    anthropic), else the same reading: every *.jsonl in the folder, model name = file name, lines by question_id."""
+    try:
+        from fastchat.llm_judge.common import load_model_answers
+
+        return load_model_answers(answer_dir)
+    except ImportError:
+        answers = {}
+        for filename in sorted(glob.glob(os.path.join(answer_dir, "*.jsonl"))):
+            with open(filename) as f:
+                lines = [json.loads(line) for line in f]
+            answers[os.path.basename(filename)[:-6]] = {line["question_id"]: line for line in lines}
+        return answers
+
+
+def check_judge_fields(answer, n_turns):
+    """What llm_judge's gen_judgment / show_result read of an answer line."""
+    assert isinstance(answer["answer_id"], str) and answer["answer_id"]
+    assert isinstance(answer["model_id"], str) and isinstance(answer["tstamp"], float)
+    choice = answer["choices"][0]
+    assert choice["index"] == 0
+    assert len(choice["turns"]) == n_turns and all(isinstance(t, str) for t in choice["turns"])
+
+
+def mtbench_argv(tmp_path, *extra):
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return ["--model", "tiny", "--question-file", str(qfile), "--max-new-token", "12", "--model-id", "tiny-run",
+            *extra]
+
+
+def test_mtbench_answers_resume_and_speed(tmp_path, use_model, capsys):
+    answers = tmp_path / "model_answer"
+    run_file = answers / "tiny-run.jsonl"
+    argv = mtbench_argv(tmp_path, "--answer-file", str(run_file))
+    assert mtbench.main(argv + ["--limit", "1"]) == 0
+    first = run_file.read_text().splitlines()
+    assert len(first) == 1 and json.loads(first[0])["question_id"] == 81
+
+    with pytest.raises(SystemExit, match="--resume"):  # never overwrites or appends to a file silently
+        mtbench.main(argv)
+    assert mtbench.main(argv + ["--resume"]) == 0
+    lines = run_file.read_text().splitlines()
+    assert lines[0] == first[0] and len(lines) == 2  # the finished answer is untouched, only 82 was added
+    calls_before = len(use_model)
+    assert mtbench.main(argv + ["--resume"]) == 0  # all done: the model is not even loaded
+    assert len(use_model) == calls_before and "nothing to do" in capsys.readouterr().out
+
+    loaded = fastchat_load_model_answers(str(answers))
+    assert set(loaded) == {"tiny-run"} and set(loaded["tiny-run"]) == {81, 82}
+    for answer in loaded["tiny-run"].values():
+        check_judge_fields(answer, 2)
+        choice = answer["choices"][0]
+        for key in ("new_tokens", "verify_steps", "wall_time", "accept_lengths", "fuzzy_accepts", "idxs"):
+            assert len(choice[key]) == 2, key
+        for steps, lengths, tokens in zip(choice["verify_steps"], choice["accept_lengths"], choice["new_tokens"]):
+            assert steps == len(lengths) and 0 < tokens <= 12
+            assert tokens <= 1 + sum(a + 1 for a in lengths)  # prefill token + each step's tokens, cut at budget
+        assert answer["eagle_fsd"]["method"] == "eagle-fsd"
+
+    base_file = answers / "tiny-base.jsonl"
+    assert mtbench.main(mtbench_argv(tmp_path, "--answer-file", str(base_file), "--baseline")) == 0
+    base = [json.loads(line) for line in base_file.read_text().splitlines()]
+    assert all(a == 0 for r in base for lengths in r["choices"][0]["accept_lengths"] for a in lengths)
+    result = speed.report(run_file, base_file)
+    assert result["questions"] == 2 and result["turns"] == 4 and result["tau"] > 1.0
+    assert result["speedup"] > 0 and result["baseline"]["questions"] == 2
+    capsys.readouterr()
+    assert speed.main([str(run_file), "--baseline", str(base_file)]) == 0
+    table = capsys.readouterr().out
+    assert "speedup" in table and "tau" in table and "histogram" in table
+
+
+def test_resume_refuses_other_settings(tmp_path, use_model):
+    run_file = tmp_path / "a.jsonl"
+    argv = mtbench_argv(tmp_path, "--answer-file", str(run_file), "--limit", "1")
+    assert mtbench.main(argv) == 0
+    with pytest.raises(SystemExit, match="fsd_threshold"):
+        mtbench.main(argv + ["--resume", "--fsd-threshold", "0.5"])
+
+
+def test_torn_last_line_is_repaired_on_resume(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text('{"question_id": 81}\n{"question_id": 8')  # killed in the middle of the second write
+    assert [r["question_id"] for r in mtbench.read_answers(path)] == [81]
+    assert path.read_text().endswith('8')  # reading alone changes nothing
+    mtbench.read_answers(path, repair=True)
+    assert path.read_text() == '{"question_id": 81}\n'
+    path.write_text('{"question_id": 81}\nnot json\n{"question_id": 82}\n')
+    with pytest.raises(ValueError, match="line 2"):  # damage in the middle is the user's to fix, not ours
+        mtbench.read_answers(path, repair=True)
+
+
+def test_default_model_id_and_answer_path():
+    args = mtbench.parse_args(["--model", "qwen2.5-coder-1.5b-instruct", "--fsd-threshold", "0.5"])
+    assert args.model_id == "qwen2.5-coder-1.5b-instruct-eagle-fsd-fsd-kl_qp-0.5-temperature-0"
+    assert str(args.answer_file) == f"data/mt_bench/model_answer/{args.model_id}.jsonl"
+    assert mtbench.parse_args(["--baseline"]).model_id.endswith("-baseline-temperature-0")
+
+
+# ---------------------------------------------------------------- speed report arithmetic
+def answer_line(qid, new_tokens, wall_time, accept_lengths=None, fuzzy=None, idxs=None):
+    choice = {"index": 0, "turns": ["x"] * len(new_tokens), "new_tokens": new_tokens, "wall_time": wall_time}
+    if accept_lengths is not None:
+        choice.update(verify_steps=[len(a) for a in accept_lengths], accept_lengths=accept_lengths,
+                      fuzzy_accepts=fuzzy)
+    if idxs is not None:
+        choice["idxs"] = idxs
+    return json.dumps({"question_id": qid, "answer_id": "a", "model_id": "m", "choices": [choice], "tstamp": 0.0})
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_speed_math_on_known_answers(tmp_path, capsys):
+    run = write_lines(tmp_path / "run.jsonl", [
+        answer_line(1, [10, 6], [1.0, 1.0], [[2, 3, 1], [0, 4]], [[0, 1, 0], [0, 2]]),
+        answer_line(2, [4], [2.0], [[2]], [[0]]),
+    ])
+    base = write_lines(tmp_path / "base.jsonl", [answer_line(1, [8, 8], [4.0, 4.0]), answer_line(3, [5], [1.0])])
+    r = speed.report(run, base)
+    assert r["new_tokens"] == 20 and r["tokens_per_s"] == pytest.approx(5.0)
+    assert r["verify_steps"] == 6 and r["tau"] == pytest.approx((12 + 6) / 6)  # bonus token included
+    # d1: 5 of 6 steps accept >= 1; d2: 4 of those 5 reach 2; d3: 2 of 4; d4: 1 of 2
+    assert r["acceptance_by_depth"] == pytest.approx([5 / 6, 4 / 5, 2 / 4, 1 / 2])
+    assert r["accept_length_histogram"] == {"0": 1, "1": 1, "2": 2, "3": 1, "4": 1}
+    assert r["fuzzy_fraction"] == pytest.approx(3 / 12)
+    # speedup over the one shared question: 16 tokens / 2 s against 16 tokens / 8 s
+    assert r["speedup"] == pytest.approx(4.0) and r["baseline"]["questions"] == 1 and "note" in r["baseline"]
+
+    assert speed.main([str(run), "--baseline", str(base), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["speedup"] == pytest.approx(4.0)
+
+
+def test_speed_reads_eagle_answer_files(tmp_path):
+    # EAGLE's gen_ea_answer_* files: no accept lengths; tau = sum(new_tokens) / sum(idxs + 1)
+    run = write_lines(tmp_path / "eagle.jsonl", [answer_line(1, [10, 5], [1.0, 1.0], idxs=[3, 0])])
+    r = speed.report(run)
+    assert r["tau"] == pytest.approx(15 / 5) and "acceptance_by_depth" not in r
+
+
+def test_speed_names_a_missing_field(tmp_path):
+    path = tmp_path / "fastchat.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "choices": [{"index": 0, "turns": ["x"]}]}) + "\n")
+    with pytest.raises(SystemExit, match="new_tokens"):
+        speed.report(path)
+
+
+# ---------------------------------------------------------------- sweep
+def test_sweep_writes_csv_json_png_and_resumes(tmp_path, use_model, capsys):
+    out = tmp_path / "sweep"
+
+    def argv(thresholds, *extra):
+        return ["--model", "tiny", "--bench", "humaneval", "gsm8k", "--limit", "2", "--thresholds", thresholds,
+                "--max-new-token", "8", "--out-dir", str(out), "--exec-timeout", "5", "--no-warmup", *extra]
+
+    assert sweep.main(argv("0.5,2")) == 0
+    records = mtbench.read_answers(out / "records.jsonl")
+    assert len(records) == 2 * 2 * 4  # benches x problems x (plain, lossless, T=0.5, T=2)
+    import csv
+
+    with open(out / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["bench"], r["method"]) for r in rows] == [
+        (b, m) for b in ("humaneval", "gsm8k") for m in ("plain", "lossless", "T=0.5", "T=2")]
+    assert all(r["problems"] == "2" and 0 <= float(r["accuracy"]) <= 1 for r in rows)
+    assert all(float(r["speedup"]) == pytest.approx(1.0) for r in rows if r["method"] == "plain")
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "summary.json").read_text())["rows"][0]["method"] == "plain"
+
+    with pytest.raises(SystemExit, match="--resume"):
+        sweep.main(argv("0.5,2"))
+    loads = len(use_model)
+    assert sweep.main(argv("0.5,2,4", "--resume")) == 0  # one threshold more: only its runs are new
+    assert len(mtbench.read_answers(out / "records.jsonl")) == 2 * 2 * 5 and len(use_model) == loads + 1
+
+
+def test_sweep_threshold_list_errors():
+    with pytest.raises(SystemExit, match="comma-separated"):
+        sweep.parse_thresholds("0.1;0.5")
+    with pytest.raises(SystemExit, match=">= 0"):
+        sweep.parse_thresholds("0.1,-1")
+
+
+# ---------------------------------------------------------------- HumanEval execution (subprocess, never in-process)
+@pytest.fixture(scope="module")
+def problem0():
+    return humaneval.load_problems(1)[0]
+
+
+def test_humaneval_canonical_solution_passes(problem0):
+    reply = f"```python\n{problem0['prompt']}{problem0['canonical_solution']}```"
+    assert humaneval.score(problem0, reply, timeout=20).status == "passed"
+    # the same body as a bare continuation of the prompt also counts
+    assert humaneval.score(problem0, problem0["canonical_solution"], timeout=20).passed
+
+
+def test_humaneval_wrong_solution_fails(problem0):
+    reply = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    result = humaneval.score(problem0, reply, timeout=20)
+    assert result.status == "failed" and "AssertionError" in result.detail
+
+
+def test_hanging_program_times_out_and_is_killed():
+    result = humaneval.run_program("import time\nwhile True:\n    time.sleep(0.05)\n", timeout=1.0)
+    assert result.status == "timeout" and not result.passed
+
+
+def test_evaluated_code_has_no_network():
+    source = "import socket\nsocket.create_connection(('127.0.0.1', 9))\n"
+    result = humaneval.run_program(source, timeout=20)
+    assert result.status == "failed" and "network access is disabled" in result.detail
+
+
+def test_code_extraction():
+    assert humaneval.extract_code("Here:\n```python\ndef f():\n    return 1\n```\nDone.") == "def f():\n    return 1\n"
+    assert humaneval.extract_code("```\nx = 1\n") == "x = 1\n"  # cut off by the token budget
+    assert humaneval.extract_code("    return 1\n") == "    return 1\n"
+
+
+# ---------------------------------------------------------------- GSM8K matching
+def test_gsm8k_answers():
+    first = gsm8k.load_problems(2)[0]
+    assert first["target"] == "18" and first["task_id"] == "gsm8k/0"
+    assert gsm8k.is_correct(first, "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18")
+    assert gsm8k.is_correct(first, "She makes $18.00 every day.")  # no '####': the last number
+    assert not gsm8k.is_correct(first, "#### 19\nor maybe 18")
+    assert gsm8k.extract_answer("#### $1,234.50") == "1234.5"
+    assert gsm8k.extract_answer("no numbers here") is None
+    assert gsm8k.extract_answer("It is -3.") == "-3"
