@@ -24,6 +24,7 @@ def run_main(argv=None) -> int:
     from transformers import TextStreamer
 
     from eagle_fsd.eval.bench import DTYPES
+    from eagle_fsd.fsd import FsdConfig
     from eagle_fsd.model import EaFsdModel
 
     p = argparse.ArgumentParser(prog="eagle-fsd run", description=COMMANDS["run"][1])
@@ -48,6 +49,7 @@ def run_main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     args.total_token = args.total_token or (60 if gpu else 24)
     args.top_k = args.top_k or (10 if gpu else 4)
+    FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)  # bad settings fail before loading models
 
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
                                        total_token=args.total_token, depth=args.depth, top_k=args.top_k,
@@ -86,17 +88,13 @@ def main(argv=None) -> int:
             print(f"  {name:<11} {help_text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     name, rest = argv[0], argv[1:]
-    if name == "run":
-        return run_main(rest)
     module, _, func = COMMANDS[name][0].partition(":")
+    entry = run_main if name == "run" else getattr(importlib.import_module(module), func or "main")
     try:
-        entry = getattr(importlib.import_module(module), func or "main")
-    except ModuleNotFoundError as err:
-        if err.name == module:
-            print(f"eagle-fsd {name}: not available in this version", file=sys.stderr)
-            return 2
-        raise
-    return entry(rest) or 0
+        return entry(rest) or 0
+    except (ValueError, FileNotFoundError) as err:  # bad input: say what and how to fix it, no traceback
+        print(f"eagle-fsd {name}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -240,29 +240,63 @@ def _eos_ids(target, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
+def greedy_batch(target, prompts: list[torch.Tensor], max_new_tokens: int, eos: list[int], pad: int = 0):
+    """Greedy continuations of several prompts at once (left padding). A row that meets a stop token leaves the
+    batch at once (its KV rows are dropped), so short replies cost nothing while long ones finish. Returns, per
+    prompt, (new ids without the stop token, stopped)."""
+    from transformers import DynamicCache
+
+    device = target.device
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - p.numel():] = p
+        attn[r, width - p.numel():] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    logits = target(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1).logits[:, -1]
+    nxt = logits.argmax(-1)
+    alive = torch.arange(len(prompts), device=device)
+    lengths = attn.sum(-1)  # the position of each row's next token
+    stop_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+    replies: list[list[int]] = [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    for step in range(max_new_tokens):
+        ended = torch.isin(nxt, stop_ids)
+        for r, token, end in zip(alive.tolist(), nxt.tolist(), ended.tolist()):
+            if end:
+                stopped[r] = True
+            else:
+                replies[r].append(token)
+        keep = ~ended
+        if step + 1 == max_new_tokens or not keep.any():
+            break
+        if not keep.all():
+            rows = keep.nonzero()[:, 0]
+            cache.batch_select_indices(rows)
+            alive, attn, nxt, lengths = alive[rows], attn[rows], nxt[rows], lengths[rows]
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
+        logits = target(input_ids=nxt[:, None], attention_mask=attn, position_ids=lengths[:, None],
+                        past_key_values=cache, use_cache=True).logits[:, -1]
+        lengths = lengths + 1
+        nxt = logits.argmax(-1)
+    return list(zip(replies, stopped))
+
+
 def generate_replies(target, tokenizer, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int):
-    """Greedy replies of the target to each prompt (token ids), batched (left padding, prompts grouped by length).
+    """Greedy replies of the target to each prompt (token ids), batched with prompts grouped by length.
     Yields (index, reply ids without the stop token, stopped) per prompt, one batch at a time."""
     eos = _eos_ids(target, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    device = target.device
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())
     for b in range(0, len(order), batch_size):
         rows = order[b: b + batch_size]
-        width = max(prompts[i].numel() for i in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            n = prompts[i].numel()
-            ids[r, width - n:] = prompts[i]
-            attn[r, width - n:] = 1
-        out = target.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=False,
-                              max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos or None,
-                              temperature=None, top_p=None, top_k=None)
-        for r, i in enumerate(rows):
-            new = out[r, width:].tolist()
-            stop = next((j for j, t in enumerate(new) if t in eos), None)
-            yield i, new[:stop] if stop is not None else new, stop is not None
+        for i, (reply, stopped) in zip(rows, greedy_batch(target, [prompts[i] for i in rows], max_new_tokens, eos,
+                                                          pad)):
+            yield i, reply, stopped
 
 
 def self_distill(target, tokenizer, convs, n: int, path: Path, max_new_tokens: int = 256, batch_size: int = 16,
@@ -532,7 +566,8 @@ class LossParts:
 def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, hidden, noise: float = 0.0,
               generator: torch.Generator | None = None, v_weight: float = 1.0, p_weight: float = 0.1) -> LossParts:
     """EAGLE-1/2 loss of a batch. Position t reads (embed(x_{t+1}), f_t [+ uniform noise of width `noise`]) and
-    predicts f_{t+1}; positions count where x_{t+1} is an assistant token."""
+    predicts f_{t+1}; positions count where x_{t+1} is an assistant token. The target (embed, lm_head) should be
+    frozen (requires_grad False), as train() leaves it: gradients then flow through lm_head into the head only."""
     feats = hidden[:, :-1].float()
     if noise > 0:
         feats = feats + (torch.rand(feats.shape, generator=generator, device=feats.device) - 0.5) * noise
@@ -643,7 +678,7 @@ def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], 
         sched.step()
         step += 1
         tokens += ids.numel()
-        loss, acc = float(parts.loss), parts.correct / max(parts.count, 1)
+        loss, acc = parts.loss.item(), parts.correct / max(parts.count, 1)
         run_loss = loss if run_loss is None else 0.95 * run_loss + 0.05 * loss
         run_acc = acc if run_acc is None else 0.95 * run_acc + 0.05 * acc
         if (eval_every and step % eval_every == 0) or step == total:

@@ -179,7 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
     p.add_argument("--profile", action="store_true", help="time the engine's phases")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = run(args)
     print_table(result)
     if args.json:

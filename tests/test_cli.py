@@ -1,0 +1,33 @@
+"""The `eagle-fsd` command end to end on the real SmolLM2 preset (drafting for itself: a valid, fast drafter)."""
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def eagle_fsd(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "eagle_fsd.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_prints_speed_tau_and_speedup():
+    r = eagle_fsd("run", "--model", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct", "--dtype", "fp32",
+                  "--max-new-tokens", "24", "--total-token", "8", "--top-k", "2", "--prompt", "Say hello.")
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s" in r.stdout and "tau = " in r.stdout
+    assert "speedup:" in r.stdout and "(identical output)" in r.stdout
+
+
+def test_run_rejects_bad_arguments_clearly():
+    r = eagle_fsd("run", "--model", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct",
+                  "--fsd-threshold", "-1", "--max-new-tokens", "4")
+    assert r.returncode == 2 and "fsd_threshold=-1.0 must be a number >= 0" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_and_unknown_command():
+    assert eagle_fsd("--help").returncode == 0
+    r = eagle_fsd("nope")
+    assert r.returncode == 2 and "commands:" in r.stdout
