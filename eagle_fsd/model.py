@@ -84,6 +84,7 @@ class EaFsdModel(torch.nn.Module):
         from eagle_fsd import presets
 
         check_backend(attention)
+        cls._check_tree_args(total_token, depth, top_k)  # bad arguments fail before any loading
         if ea_model_path is None and draft_model is None:
             draft_model = presets.default_drafter(base_model)
         path = presets.resolve_model(base_model)

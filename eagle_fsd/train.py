@@ -466,8 +466,8 @@ def load_shards(paths) -> list[Seq]:
 
     seqs = []
     for path in paths:
-        t = load_file(str(path))
-        ids, mask, hidden = t["input_ids"].long(), t["loss_mask"].bool(), t["hidden"]
+        t = load_file(str(path))  # memory-mapped: copy, so later writes to the file cannot reach the tensors
+        ids, mask, hidden = t["input_ids"].long(), t["loss_mask"].bool(), t["hidden"].clone()
         lengths = t["lengths"].tolist()
         if sum(lengths) != ids.numel() or hidden.shape[0] != ids.numel():
             raise ValueError(f"feature shard {path} is inconsistent; delete it to have it recomputed")

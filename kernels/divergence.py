@@ -80,6 +80,8 @@ import triton.language as tl
 
 from eagle_fsd.divergence import DIVERGENCES
 
+from .tree_attention import _next_pow2, kernel_available
+
 __all__ = ["fused_divergence", "fused_divergence_available", "FUSED_DIVERGENCES"]
 
 FUSED_DIVERGENCES = DIVERGENCES  # every full-vocabulary name of the reference
@@ -312,16 +314,9 @@ last_launch = None  # (splits, config) of the latest call; for gpu_check / debug
 
 def fused_divergence_available(device) -> bool:
     """Whether :func:`fused_divergence` can run on ``device``: CUDA, or CPU under the Triton interpreter."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and not _INTERPRETING
-    if device.type == "cpu":
-        return _INTERPRETING
-    return False
+    return kernel_available(device)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 _SM_COUNT = {}
