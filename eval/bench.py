@@ -139,7 +139,11 @@ def run(args) -> dict:
         if name in ("hf-assisted", "eagle-fsd"):
             row["identical_to_plain"] = f"{int(t['identical'])}/{len(ids_list)}"
         rows.append(row)
-    result = {"model": args.model, "drafter": args.ea_model_path or args.drafter or model.drafter.__class__.__name__,
+    from eagle_fsd.presets import default_drafter
+
+    drafter = (f"its first {args.drafter_layers} layers" if args.drafter_layers else
+               args.ea_model_path or args.drafter or default_drafter(args.model))
+    result = {"model": args.model, "drafter": drafter,
               "dtype": args.dtype, "questions": len(ids_list), "max_new_tokens": args.max_new_tokens,
               "tree": [args.total_token, args.depth, args.top_k], "threads": torch.get_num_threads(), "rows": rows}
     if timer is not None:

@@ -177,6 +177,7 @@ def test_saved_head_loads_and_drives_lossless_generation(target, tmp_path):
     assert torch.equal(out.sequences, hf_greedy(target, prompt, 24))
 
 
+@pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")  # eagle's EConfig
 def test_saved_head_loads_into_eagle_llm(target, tmp_path):
     cnets = pytest.importorskip("eagle.model.cnets")
     from eagle.model.configs import EConfig
