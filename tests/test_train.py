@@ -1,7 +1,7 @@
-"""`eagle-fsd train-head` (eagle_fsd/train.py) and the head shipped in eagle_fsd/heads/.
+"""`eagle-fsd train-head` (eagle_fsd/train.py).
 
 Tiny seeded random models (tests/tiny.py) except where a test says otherwise: the chat-template tests borrow the
-SmolLM2 preset's tokenizer and the shipped-head test its weights (skipped when the preset is not fetched).
+SmolLM2 preset's tokenizer and weights (fetched by the README's setup).
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from eagle_fsd.drafters import EagleDrafter, load_eagle_head
 from eagle_fsd.model import EaFsdModel
 
 SMOLLM2 = "smollm2-135m-instruct"
-needs_smollm2 = pytest.mark.skipif(not presets.is_fetched(SMOLLM2),
-                                   reason=f"preset {SMOLLM2} not fetched (eagle-fsd models fetch {SMOLLM2})")
+needs_smollm2 = pytest.mark.slow  # the README's setup fetches it; without it these fail with the fetch command
 # the published EAGLE-1/2 layout (eagle-llm cnets.Model's keys without embed_tokens), fc with bias
 LAYOUT = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight"} | \
     {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | \
@@ -266,29 +265,6 @@ def test_cli_end_to_end_with_resume(tmp_path, monkeypatch):
     assert train.main(argv + ["--resume"]) == 0
     for name, value in load_eagle_head(str(out), target).state_dict().items():
         assert torch.equal(value, first[name]), name
-
-
-# ----------------------------------------------------------------------------- the shipped head
-@needs_smollm2
-def test_shipped_head_matches_its_sha256_and_drafts_for_smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle_fsd import heads
-    from eagle_fsd.attention import ATTENTION_NAME
-
-    folder = heads.head_dir(SMOLLM2)
-    assert train._sha256_file(folder / "model.safetensors") == heads.HEADS[SMOLLM2]["sha256"]
-    assert (folder / "model.safetensors").stat().st_size <= 15 * 2**20
-    path = presets.resolve_model(SMOLLM2, fetch_missing=False)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ATTENTION_NAME).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    head = load_eagle_head(str(folder), target)
-    model = EaFsdModel(target, tok, EagleDrafter(head, target), total_token=16, depth=4, top_k=4)
-    ids = tok.apply_chat_template([{"role": "user", "content": "Give three tips for staying healthy."}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    out = model.generate(ids, max_new_tokens=32, return_dict=True)
-    assert torch.equal(out.sequences, model.naive_generate(ids, max_new_tokens=32))
-    assert out.tau > 1.8  # a trained head (a random one accepts almost nothing: tau ~ 1)
 
 
 def test_greedy_batch_matches_each_prompts_own_greedy(target):
