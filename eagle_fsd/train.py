@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_fsd.eval.data import package_file
 from eagle_fsd.drafters import EagleHead, head_config
 from eagle_fsd.hf import cache_kwargs
 
@@ -100,21 +100,11 @@ def iter_json_records(path: str | Path):
         yield record
 
 
-def _package_file(package: str, rel: str, install: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"data package {package!r} is not installed; run `{install}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / rel
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `{install}`")
-    return path
-
-
 def source_path(source: str) -> Path:
     if source == "sharegpt":
-        return _package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, SHAREGPT_INSTALL)
+        return package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, SHAREGPT_INSTALL)
     if source == "fastchat-dummy":
-        return _package_file(DUMMY_PACKAGE, DUMMY_FILE, DUMMY_INSTALL)
+        return package_file(DUMMY_PACKAGE, DUMMY_FILE, DUMMY_INSTALL)
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"--data {source!r} is neither `sharegpt`, `fastchat-dummy` nor a file")
