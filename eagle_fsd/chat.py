@@ -5,7 +5,8 @@
     echo "Write a haiku" | eagle-fsd chat --prompt -
 
 Replies stream as they are decoded; the conversation is kept as chat history. After each reply: tokens/s, tau
-(tokens per target forward) and the fuzzy fraction (share of accepted draft tokens only FSD accepted). Ctrl-C stops
+(tokens per target forward) and the fuzzy fraction (share of accepted draft tokens only FSD accepted); at a terminal
+the tokens only FSD accepted show in yellow (--color). Ctrl-C stops
 the current reply and keeps what was written of it; at the prompt, Ctrl-C clears the line and Ctrl-D leaves.
 
 Commands: /fsd T | /fsd off, /divergence NAME, /temp X, /reset, /stats, /help, /quit
@@ -60,19 +61,62 @@ class InterruptFlag:
             signal.signal(signal.SIGINT, previous)
 
 
-class ChatStreamer(TextStreamer):
-    """Prints the reply as it decodes, keeps its token ids, and stops generation when interrupted."""
+FUZZY_STYLE, RESET_STYLE = "\x1b[33m", "\x1b[0m"  # fuzzily accepted tokens print in yellow
 
-    def __init__(self, tokenizer, out, flag: InterruptFlag):
+
+class ChatStreamer(TextStreamer):
+    """Prints the reply as it decodes, keeps its token ids, and stops generation when interrupted.
+
+    With colour on, it prints token by token and wraps the text of each token that only the FSD rule accepted in
+    FUZZY_STYLE (the engine hands over the flags through put_fuzzy_mask)."""
+
+    def __init__(self, tokenizer, out, flag: InterruptFlag, colour: bool = False):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.out, self.flag, self.ids = out, flag, []
+        self.out, self.flag, self.ids, self.colour = out, flag, [], colour
+        self.fuzzy: list[bool] = []  # per reply token
+        self._next_fuzzy: list[bool] = []
+        self._shown_tokens = self._shown_chars = 0
+
+    def put_fuzzy_mask(self, mask: list[bool]) -> None:
+        self._next_fuzzy = list(mask)
 
     def put(self, value):
         if self.flag.requested:
             raise ReplyInterrupted
-        if not self.next_tokens_are_prompt:
-            self.ids.extend(value.reshape(-1).tolist())
-        super().put(value)
+        if self.next_tokens_are_prompt:
+            return super().put(value)
+        new = value.reshape(-1).tolist()
+        mask = self._next_fuzzy if len(self._next_fuzzy) == len(new) else [False] * len(new)
+        self.ids.extend(new)
+        self.fuzzy.extend(mask)
+        self._next_fuzzy = []
+        if self.colour:
+            self._show(final=False)
+        else:
+            super().put(value)
+
+    def _show(self, final: bool) -> None:
+        """Print the text of the tokens not shown yet, one token at a time; a token whose text ends in an
+        incomplete character waits for the next one (unless final)."""
+        pieces = []
+        for i in range(self._shown_tokens, len(self.ids)):
+            text = self.tokenizer.decode(self.ids[: i + 1], **self.decode_kwargs)
+            if text.endswith("\ufffd") and not final:
+                break
+            piece = text[self._shown_chars:]
+            pieces.append(f"{FUZZY_STYLE}{piece}{RESET_STYLE}" if self.fuzzy[i] and piece else piece)
+            self._shown_tokens, self._shown_chars = i + 1, len(text)
+        if pieces:
+            self.out.write("".join(pieces))
+            self.out.flush()
+
+    def end(self):
+        if not self.colour:
+            return super().end()
+        self._show(final=True)
+        self.out.write("\n")
+        self.out.flush()
+        self.next_tokens_are_prompt = True
 
     def on_finalized_text(self, text: str, stream_end: bool = False):
         self.out.write(text + ("\n" if stream_end else ""))
@@ -119,6 +163,8 @@ class ChatSession:
         self.messages: list[dict] = []
         self.totals = Totals()
         self.flag = InterruptFlag()
+        colour = getattr(args, "color", "never")
+        self.colour = colour == "always" or (colour == "auto" and hasattr(out, "isatty") and out.isatty())
 
     def say(self, text: str) -> None:
         self.info.write(text + "\n")
@@ -194,7 +240,7 @@ class ChatSession:
         """Stream the model's reply to `text`; it joins the history even when cut short by Ctrl-C."""
         self.messages.append({"role": "user", "content": text})
         ids = self.fmt.encode(self.messages)
-        streamer = ChatStreamer(self.model.tokenizer, self.out, self.flag)
+        streamer = ChatStreamer(self.model.tokenizer, self.out, self.flag, colour=self.colour)
         self.flag.generating, self.flag.requested = True, False
         start = time.perf_counter()
         try:
@@ -269,6 +315,8 @@ def parse_args(argv):
     add_fsd_args(p)
     p.add_argument("--system", default=None, help="system message (default: the chat template's)")
     p.add_argument("--prompt", default=None, help="answer this one message and exit ('-': read it from stdin)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="show fuzzily accepted tokens in yellow (auto: when writing to a terminal)")
     args = p.parse_args(argv)
     finish_model_args(p, args)
     return args

@@ -26,6 +26,7 @@ class GenerateOutput:
     accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per step (bonus excluded)
     fuzzy_accepts: list[int] = field(default_factory=list)   # of those, accepted only by the FSD rule
     divergences: list[list[float]] = field(default_factory=list)  # per step, D at each visited node with children
+    fuzzy_mask: list[bool] = field(default_factory=list)     # per new token: accepted only by the FSD rule
     wall_time: float = 0.0
 
     @property
@@ -80,13 +81,16 @@ class EaFsdModel(torch.nn.Module):
                         device_map=None, attention: str = "auto", **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
         ea_model_path: an EAGLE-1/2 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
-        hub id or a loaded model). Without either, a preset's default drafter is used if it has one."""
+        hub id or a loaded model). Without either, a preset's default drafter is used if it has one (the EAGLE head
+        shipped for it, else its sibling LM)."""
         from eagle_fsd import presets
 
         check_backend(attention)
         cls._check_tree_args(total_token, depth, top_k)  # bad arguments fail before any loading
-        if ea_model_path is None and draft_model is None:
-            draft_model = presets.default_drafter(base_model)
+        if ea_model_path is None and draft_model is None:  # the preset's own drafter: a shipped head, else an LM
+            ea_model_path = presets.shipped_head(base_model)
+            if ea_model_path is None:
+                draft_model = presets.default_drafter(base_model)
         path = presets.resolve_model(base_model)
         load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **kwargs)
         target = AutoModelForCausalLM.from_pretrained(path, **load).eval()
@@ -202,8 +206,9 @@ class EaFsdModel(torch.nn.Module):
             root_logprobs, root_state = drafter.prefill(prompt, root, hidden)
 
         generated: list[int] = []
+        fuzzy_mask: list[bool] = []
         out = GenerateOutput(sequences=input_ids)
-        done = self._emit(generated, [int(root)], eos, max_new_tokens, streamer)
+        done = self._emit(generated, fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
         while not done:
             if drafter is None:
                 tree = chain_tree(root.reshape(1))
@@ -216,7 +221,7 @@ class EaFsdModel(torch.nn.Module):
             out.accept_lengths.append(step.accept_length)
             out.fuzzy_accepts.append(step.fuzzy)
             out.divergences.append(step.divergences)
-            done = self._emit(generated, step.tokens, eos, max_new_tokens, streamer)
+            done = self._emit(generated, fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
             root = step.next_token
             if not done and drafter is not None:
                 new = torch.tensor(step.tokens, device=device)
@@ -226,6 +231,7 @@ class EaFsdModel(torch.nn.Module):
             streamer.end()
         new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
         out.sequences = torch.cat([input_ids, new_ids], dim=1)
+        out.fuzzy_mask = fuzzy_mask
         out.new_tokens = len(generated)
         out.verify_steps = len(out.accept_lengths)
         out.wall_time = time.perf_counter() - start
@@ -247,15 +253,21 @@ class EaFsdModel(torch.nn.Module):
         return accept(tree, choice, blocked, target_choice, divergences)
 
     @staticmethod
-    def _emit(generated: list[int], new: list[int], eos: set[int], max_new_tokens: int, streamer) -> bool:
-        """Append a step's tokens to `generated`, cut at the first eos or at the token budget; True when done."""
+    def _emit(generated: list[int], fuzzy_mask: list[bool], new: list[int], new_fuzzy: list[bool], eos: set[int],
+              max_new_tokens: int, streamer) -> bool:
+        """Append a step's tokens (and their FSD flags) to `generated` (`fuzzy_mask`), cut at the first eos or at
+        the token budget; True when done. A streamer with a `put_fuzzy_mask` method gets the flags before the
+        tokens (the chat demo colours fuzzily accepted tokens with them)."""
         kept = []
         for token in new[: max_new_tokens - len(generated)]:
             kept.append(token)
             if token in eos:
                 break
         generated.extend(kept)
+        fuzzy_mask.extend(new_fuzzy[: len(kept)])
         if streamer is not None and kept:
+            if hasattr(streamer, "put_fuzzy_mask"):
+                streamer.put_fuzzy_mask(new_fuzzy[: len(kept)])
             streamer.put(torch.tensor(kept))
         return (bool(kept) and kept[-1] in eos) or len(generated) >= max_new_tokens
 

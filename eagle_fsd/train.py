@@ -576,7 +576,7 @@ def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, 
     length = feats.shape[1]
     positions = torch.arange(length, device=ids.device)[None].expand(ids.shape[0], -1)
     with torch.no_grad():
-        emb = embed(ids[:, 1:])
+        emb = embed(ids[:, 1:]).to(feats.dtype)  # the head trains in fp32 (under autocast when bf16) for any target
     pred = head(emb, feats, positions, None)
     sel = mask[:, 1:]
     p = pred[sel].float()
@@ -586,9 +586,10 @@ def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, 
         zero = pred.sum() * 0
         return LossParts(zero, 0.0, 0.0, 0, 0)
     v_loss = F.smooth_l1_loss(p, t)
+    logits_dtype = lm_head.weight.dtype
     with torch.no_grad():
-        target_p = torch.softmax(lm_head(t.to(pred.dtype)).float(), -1)
-    logp = torch.log_softmax(lm_head(p.to(pred.dtype)).float(), -1)
+        target_p = torch.softmax(lm_head(t.to(logits_dtype)).float(), -1)
+    logp = torch.log_softmax(lm_head(p.to(logits_dtype)).float(), -1)
     p_loss = -(target_p * logp).sum(-1).mean()
     correct = int((logp.argmax(-1) == target_p.argmax(-1)).sum())
     loss = v_weight * v_loss + p_weight * p_loss

@@ -139,10 +139,10 @@ def run(args) -> dict:
         if name in ("hf-assisted", "eagle-fsd"):
             row["identical_to_plain"] = f"{int(t['identical'])}/{len(ids_list)}"
         rows.append(row)
-    from eagle_fsd.presets import default_drafter
+    from eagle_fsd.presets import drafter_label
 
     drafter = (f"its first {args.drafter_layers} layers" if args.drafter_layers else
-               args.ea_model_path or args.drafter or default_drafter(args.model))
+               args.ea_model_path or args.drafter or drafter_label(args.model))
     result = {"model": args.model, "drafter": drafter,
               "dtype": args.dtype, "questions": len(ids_list), "max_new_tokens": args.max_new_tokens,
               "tree": [args.total_token, args.depth, args.top_k], "threads": torch.get_num_threads(), "rows": rows}

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.eval.data import load_questions
+from eagle_fsd.presets import drafter_label
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "auto")
 RECORD_VERSION = 1
@@ -223,7 +224,7 @@ def run_settings(args) -> dict:
                 "model": args.model, "temperature": args.temperature, "top_p": args.top_p,
                 "max_new_token": args.max_new_token}
     if not args.baseline:
-        settings.update(drafter=args.ea_model_path or args.drafter, tree=[args.total_token, args.depth, args.top_k],
+        settings.update(drafter=args.ea_model_path or args.drafter or drafter_label(args.model), tree=[args.total_token, args.depth, args.top_k],
                         fsd_threshold=args.fsd_threshold, fsd_divergence=args.fsd_divergence,
                         fsd_mode=args.fsd_mode)
     return settings

@@ -65,6 +65,20 @@ def test_fsd_changes_the_generation(model):
     assert s.totals.tokens == 8
 
 
+def test_colour_marks_exactly_the_fuzzy_tokens(model):
+    s = session(model, "--fsd-threshold", "1000", "--color", "always", "--max-new-tokens", "12")
+    chat.run_lines(s, ["count to ten"])
+    streamed = s.out.getvalue().split("\n[12 tokens")[0]
+    ids = model.tokenizer(s.messages[-1]["content"], add_special_tokens=False)["input_ids"]
+    # without the colour codes, the stream is the reply; the yellow pieces are the texts of the fuzzy tokens
+    assert streamed.replace(chat.FUZZY_STYLE, "").replace(chat.RESET_STYLE, "") == s.messages[-1]["content"]
+    coloured = re.findall(re.escape(chat.FUZZY_STYLE) + "(.*?)" + re.escape(chat.RESET_STYLE), streamed, re.DOTALL)
+    assert coloured and len(coloured) <= s.totals.fuzzy and ids
+    plain = session(model, "--color", "never")  # lossless, no colour: no escape codes at all
+    chat.run_lines(plain, ["count to ten"])
+    assert "\x1b[" not in plain.out.getvalue()
+
+
 def test_prompt_mode_for_scripts(model):
     out, err = io.StringIO(), io.StringIO()
     args = chat.parse_args(["--max-new-tokens", "6", "--prompt", "-"])

@@ -39,12 +39,14 @@ def test_reducible_rule():
     choice, blocked = fuzzy_choices(tree, target, div, 0.3, "reducible")
     step = accept(tree, choice, blocked, target, div)
     assert step.path.tolist() == [0, 1] and step.tokens == [10, 99] and step.fuzzy == 1
+    assert step.fuzzy_mask == [True, False]  # the draft token 10 is fuzzy; the target's own 99 never is
     assert step.divergences == pytest.approx([0.2, 0.5])
     # when the target's own choice is a child, the lossless match wins over the top-ranked child
     target2 = torch.tensor([11, 99, 30, 5, 6, 7, 8])
     choice, blocked = fuzzy_choices(tree, target2, div, 10.0, "reducible")
     step = accept(tree, choice, blocked, target2, div)
     assert step.path.tolist() == [0, 2, 6] and step.tokens == [11, 30, 8] and step.fuzzy == 0
+    assert step.fuzzy_mask == [False, False, False]
     # NaN divergence never accepts
     nan_div = torch.full((7,), math.nan)
     choice, _ = fuzzy_choices(tree, target, nan_div, math.inf, "reducible")
@@ -102,10 +104,14 @@ def test_reducible_at_zero_is_bit_identical(temperature):
 def test_infinite_threshold_accepts_to_the_depth_limit(mode, divergence):
     target, model = pair(total_token=8, depth=4, top_k=1)  # a chain of 5 draft tokens
     ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
-    out = model.generate(ids, max_new_tokens=40, eos_token_id=[], fsd_threshold=math.inf, fsd_mode=mode,
+    out = model.generate(ids, max_new_tokens=37, eos_token_id=[], fsd_threshold=math.inf, fsd_mode=mode,
                          fsd_divergence=divergence, return_dict=True)
     assert out.accept_lengths == [5] * len(out.accept_lengths) and out.tau == 6.0
     assert out.fuzzy_fraction > 0.9  # random draft and target: nearly every token was accepted only fuzzily
+    # 37 = 1 + 6 steps of 6 tokens: the per-token flags agree with the per-step counts, and each step ends on the
+    # target's own token, never fuzzy
+    assert len(out.fuzzy_mask) == out.new_tokens and sum(out.fuzzy_mask) == sum(out.fuzzy_accepts)
+    assert all(not out.fuzzy_mask[i] for i in range(0, out.new_tokens, 6))  # the prefill token, then every 6th
 
 
 def test_original_at_zero_is_plain_decoding():

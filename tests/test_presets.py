@@ -101,10 +101,47 @@ def test_preset_table():
 def test_default_drafter():
     assert presets.default_drafter("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
     assert presets.default_drafter("qwen2.5-coder-0.5b-instruct") is None
-    assert presets.default_drafter("smollm2-135m-instruct") is None
+    assert presets.default_drafter("smollm2-135m-instruct") is None  # no sibling LM: its shipped head drafts
     assert presets.default_drafter("Qwen/Qwen2.5-Coder-1.5B-Instruct") is None  # hub ids: no default
     for p in PRESETS.values():  # a drafter is itself a preset
         assert p.drafter is None or p.drafter in PRESETS
+
+
+def test_shipped_head_files_and_hash():
+    """The SmolLM2 preset's default drafter is the EAGLE head inside the package, and its weights are the ones
+    whose sha256 the package records."""
+    from safetensors import safe_open
+
+    folder = Path(presets.shipped_head("smollm2-135m-instruct"))
+    weights = folder / "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == PRESETS["smollm2-135m-instruct"].head_sha256
+    assert weights.stat().st_size <= 15 * 2**20
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_size"] == 576 and config["vocab_size"] == 49152 and config["num_hidden_layers"] == 1
+    with safe_open(str(weights), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} <= {"torch.bfloat16", "torch.float16"}
+        assert "fc.weight" in f.keys() and not any(k.startswith("embed_tokens") for k in f.keys())
+    assert presets.drafter_label("smollm2-135m-instruct").startswith("shipped EAGLE head ")
+    assert presets.shipped_head("qwen2.5-coder-1.5b-instruct") is None  # it drafts with its 0.5B sibling
+    assert presets.shipped_head("/some/dir") is None
+
+
+def test_shipped_head_tampered_or_missing(monkeypatch, tmp_path):
+    import shutil
+
+    original = Path(presets.shipped_head("smollm2-135m-instruct"))
+    copy = tmp_path / "smollm2-135m-instruct"
+    shutil.copytree(original, copy)
+    monkeypatch.setattr(presets, "HEADS_DIR", tmp_path)
+    assert presets.shipped_head("smollm2-135m-instruct") == str(copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256 .* reinstall eagle-fsd"):
+        presets.shipped_head("smollm2-135m-instruct")
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        presets.shipped_head("smollm2-135m-instruct")
 
 
 def test_cache_dir_env_and_default(monkeypatch, tmp_path):

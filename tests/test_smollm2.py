@@ -12,6 +12,7 @@ from eagle_fsd.model import EaFsdModel
 
 pytestmark = pytest.mark.slow
 
+MIN_SHIPPED_TAU = 1.3  # a random head gives ~1.0; the shipped one measured 1.6 on MT-Bench (BENCHMARKS.md)
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "List three prime numbers and explain why they are prime.",
            "Write a haiku about the sea."]
@@ -89,3 +90,18 @@ def test_accept_length_grows_with_threshold(smollm2):
         taus.append(sum(a + 1 for a in steps) / len(steps))
     assert taus == sorted(taus), taus
     assert taus[-1] > 2 * taus[0], taus
+
+
+def test_shipped_head_is_the_default_drafter_and_lossless():
+    """from_pretrained without a drafter loads the head shipped for the preset; greedy output stays the target's
+    own, and the head is a trained one: it drafts tokens the target accepts (a random head gives tau ~1)."""
+    model = EaFsdModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32, total_token=24, depth=5, top_k=4)
+    assert isinstance(model.drafter, EagleDrafter)
+    steps = tokens = 0
+    for text in PROMPTS:
+        ids = encode(model.tokenizer, text)
+        reference = model.naive_generate(ids, max_new_tokens=64)
+        out = model.generate(ids, max_new_tokens=64, return_dict=True)
+        assert torch.equal(out.sequences, reference)
+        steps, tokens = steps + out.verify_steps, tokens + sum(a + 1 for a in out.accept_lengths)
+    assert tokens / steps > MIN_SHIPPED_TAU, tokens / steps  # tau: tokens per target forward

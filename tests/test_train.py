@@ -114,6 +114,27 @@ def test_one_step_lowers_the_loss(target):
     assert after.v_loss < before.v_loss and after.p_loss < before.p_loss
 
 
+def test_bf16_target_trains_and_evaluates_an_fp32_head(target):
+    """`--dtype bf16` loads the target in bf16 (its embeddings and lm_head too); the head stays fp32, with and
+    without autocast (held-out evaluation runs without it), and its loss equals the loss against an fp32 target up
+    to bf16 rounding."""
+    import copy
+
+    seqs = feature_seqs(target, random_samples(3))
+    head = train.new_head(train.head_raw_config(target.config), seed=0)
+    low = copy.deepcopy(target).to(torch.bfloat16).requires_grad_(False)
+    reference = train.head_loss(head, target.get_input_embeddings(), target.get_output_embeddings(),
+                                *train.collate(seqs, "cpu"))
+    metrics = train.evaluate(head, low.get_input_embeddings(), low.get_output_embeddings(), seqs, "cpu")
+    assert metrics["positions"] == reference.count
+    assert metrics["p_loss"] == pytest.approx(reference.p_loss, rel=0.02)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        parts = train.head_loss(head, low.get_input_embeddings(), low.get_output_embeddings(),
+                                *train.collate(seqs, "cpu"))
+    parts.loss.backward()
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in head.parameters())
+
+
 def test_train_learns_and_resumes_to_the_same_weights(target, tmp_path, monkeypatch):
     # a learnable task: each reply repeats one token pattern, so the target's features are predictable
     pattern = torch.tensor([5, 17, 99, 3])

@@ -44,6 +44,7 @@ class Step:
     tokens: list[int]         # emitted this step: the accepted draft tokens, then next_token
     fuzzy: int                # accepted draft tokens the lossless rule would have rejected
     divergences: list[float]  # D at each node on the path that has children (NaN where not computed)
+    fuzzy_mask: list[bool]    # per emitted token: accepted only by the FSD rule (next_token never is)
 
 
 def top_child(tree: DraftTree) -> torch.Tensor:
@@ -105,7 +106,7 @@ def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None =
                       choice[deepest].reshape(1).double(), is_fuzzy.double(), path_div.double()]).tolist()
     accept_length = int(host[0])
     tokens = [int(t) for t in host[2: 1 + accept_length + 1]] + [int(host[1 + width])]
-    fuzzy = int(sum(host[2 + width: 2 + 2 * width]))
+    fuzzy_mask = [bool(f) for f in host[2 + width + 1: 2 + width + accept_length + 1]] + [False]
     path_divs = host[2 + 2 * width: 2 + 2 * width + accept_length + 1]
     return Step(path=path[: accept_length + 1], next_token=choice[deepest], accept_length=accept_length,
-                tokens=tokens, fuzzy=fuzzy, divergences=path_divs)
+                tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=path_divs, fuzzy_mask=fuzzy_mask)
