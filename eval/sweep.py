@@ -130,8 +130,11 @@ def plot(out_dir: Path, rows: list[dict], title: str) -> Path:
         fuzzy = sorted((r for r in mine if r["threshold"] is not None), key=lambda r: r["threshold"])
         ax.plot([r["speedup"] for r in fuzzy], [r["accuracy"] for r in fuzzy], "o-", color=color,
                 label=f"{bench}: FSD")
+        labels: dict[tuple[float, float], list[str]] = {}  # thresholds that landed on the same point share a label
         for r in fuzzy:
-            ax.annotate(f"T={r['threshold']:g}", (r["speedup"], r["accuracy"]), textcoords="offset points",
+            labels.setdefault((round(r["speedup"], 2), r["accuracy"]), []).append(f"{r['threshold']:g}")
+        for (speedup, accuracy), thresholds in labels.items():
+            ax.annotate("T=" + ", ".join(thresholds), (speedup, accuracy), textcoords="offset points",
                         xytext=(4, 4), fontsize=8)
         for r in mine:
             if r["method"] == LOSSLESS:
