@@ -75,7 +75,9 @@ class ChatStreamer(TextStreamer):
         self.out, self.flag, self.ids, self.colour = out, flag, [], colour
         self.fuzzy: list[bool] = []  # per reply token
         self._next_fuzzy: list[bool] = []
-        self._shown_tokens = self._shown_chars = 0
+        # Text is decoded from `_line_start` (the token after the last printed newline), so each token costs one
+        # decode of its line, not of the whole reply; `_shown_chars` counts what of that line is printed.
+        self._shown_tokens = self._line_start = self._shown_chars = 0
 
     def put_fuzzy_mask(self, mask: list[bool]) -> None:
         self._next_fuzzy = list(mask)
@@ -100,12 +102,14 @@ class ChatStreamer(TextStreamer):
         incomplete character waits for the next one (unless final)."""
         pieces = []
         for i in range(self._shown_tokens, len(self.ids)):
-            text = self.tokenizer.decode(self.ids[: i + 1], **self.decode_kwargs)
+            text = self.tokenizer.decode(self.ids[self._line_start: i + 1], **self.decode_kwargs)
             if text.endswith("\ufffd") and not final:
                 break
             piece = text[self._shown_chars:]
             pieces.append(f"{FUZZY_STYLE}{piece}{RESET_STYLE}" if self.fuzzy[i] and piece else piece)
             self._shown_tokens, self._shown_chars = i + 1, len(text)
+            if text.endswith("\n"):
+                self._line_start, self._shown_chars = i + 1, 0
         if pieces:
             self.out.write("".join(pieces))
             self.out.flush()

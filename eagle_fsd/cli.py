@@ -23,43 +23,21 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime,
 def run_main(argv=None) -> int:
     from transformers import TextStreamer
 
-    from eagle_fsd.eval.bench import DTYPES
-    from eagle_fsd.fsd import FsdConfig
-    from eagle_fsd.model import EaFsdModel
+    from eagle_fsd.eval.mtbench import PromptFormat, add_fsd_args, add_model_args, finish_model_args, load_model
 
     p = argparse.ArgumentParser(prog="eagle-fsd run", description=COMMANDS["run"][1])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="preset name, hub id or directory")
-    p.add_argument("--drafter", default=None, help="LM drafter sharing the tokenizer (default: the preset's)")
-    p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head directory or hub id")
+    add_model_args(p, max_new_flag=("--max-new-tokens", "--max-new-token"), max_new_default=128, baseline_flag=False)
+    add_fsd_args(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--total-token", type=int, default=None, help="tree nodes incl. root (default 60 on GPU, 24 on CPU)")
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=None, help="branching (default 10 on GPU, 4 on CPU)")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
-    p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
-    p.add_argument("--fsd-divergence", default="kl_qp")
-    p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-decoding comparison")
     args = p.parse_args(argv)
-    # EAGLE's GPU tree (60 nodes) is too big for a CPU, where verification cost grows with the tree (BENCHMARKS.md).
-    gpu = torch.cuda.is_available()
-    args.total_token = args.total_token or (60 if gpu else 24)
-    args.top_k = args.top_k or (10 if gpu else 4)
-    FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)  # bad settings fail before loading models
+    finish_model_args(p, args)  # the CPU/GPU tree defaults; bad FSD settings fail before loading models
 
-    model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
-                                       total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                                       dtype=DTYPES[args.dtype], attention=args.attention)
-    if model.drafter is None:
-        raise SystemExit(f"{args.model} has no default drafter: pass --drafter MODEL or --ea-model-path HEAD")
+    model = load_model(args)
     tok = model.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"].to(model.base_model.device)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    ids = PromptFormat(tok, args.conv_template).encode([{"role": "user", "content": args.prompt}])
+    ids = ids.to(model.base_model.device)
+    sampling = dict(max_new_tokens=args.max_new_token, temperature=args.temperature, top_p=args.top_p)
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up
     print(f"\n>>> {args.prompt}\n")
     out = model.generate(ids, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),

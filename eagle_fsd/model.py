@@ -14,7 +14,7 @@ from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_he
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.fsd import FsdConfig, node_divergences
 from eagle_fsd.sampling import choose_tokens, logits_processor
-from eagle_fsd.tree.accept import accept, fuzzy_choices
+from eagle_fsd.tree.accept import accept, acceptance_by_depth, fuzzy_choices
 from eagle_fsd.tree.dynamic import chain_tree
 
 
@@ -41,15 +41,11 @@ class GenerateOutput:
 
     def acceptance_by_depth(self) -> list[float]:
         """[d-1] = P(a draft token at depth d is accepted | its parent was), over all steps."""
-        deepest = max(self.accept_lengths, default=0)
-        rates = []
-        for d in range(1, deepest + 1):
-            reached = sum(a >= d - 1 for a in self.accept_lengths)
-            rates.append(sum(a >= d for a in self.accept_lengths) / reached)
-        return rates
+        return acceptance_by_depth(self.accept_lengths)
 
 
-def _eos_ids(model, eos_token_id) -> set[int]:
+def eos_token_ids(model, eos_token_id=None) -> set[int]:
+    """The stop tokens: `eos_token_id` (an id or a list) if given, else the model's generation config's."""
     eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     if eos is None:
         return set()
@@ -160,7 +156,7 @@ class EaFsdModel(torch.nn.Module):
         max_new_tokens = min(max_new_tokens, max_length - input_ids.shape[-1])
         eos = None
         if is_llama3:
-            eos = sorted(_eos_ids(self.base_model, None) | {self.tokenizer.convert_tokens_to_ids("<|eot_id|>")})
+            eos = sorted(eos_token_ids(self.base_model) | {self.tokenizer.convert_tokens_to_ids("<|eot_id|>")})
         out = fn(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                  top_p=top_p if 0 < top_p < 1 else 1.0, top_k=int(top_k), return_dict=True, eos_token_id=eos)
         return (out.sequences, out.new_tokens, out.verify_steps - 1) if log else out.sequences
@@ -191,7 +187,7 @@ class EaFsdModel(torch.nn.Module):
         model = self.base_model
         device = model.device
         prompt = input_ids[0].to(device)
-        eos = _eos_ids(model, eos_token_id)
+        eos = eos_token_ids(model, eos_token_id)
         tree_room = self.total_token + 1 if drafter is not None else 1
         cache = TreeCache(model.config.num_hidden_layers, prompt.numel() + max_new_tokens + tree_room)
         if streamer is not None:
@@ -206,9 +202,8 @@ class EaFsdModel(torch.nn.Module):
             root_logprobs, root_state = drafter.prefill(prompt, root, hidden)
 
         generated: list[int] = []
-        fuzzy_mask: list[bool] = []
         out = GenerateOutput(sequences=input_ids)
-        done = self._emit(generated, fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
+        done = self._emit(generated, out.fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
         while not done:
             if drafter is None:
                 tree = chain_tree(root.reshape(1))
@@ -221,7 +216,7 @@ class EaFsdModel(torch.nn.Module):
             out.accept_lengths.append(step.accept_length)
             out.fuzzy_accepts.append(step.fuzzy)
             out.divergences.append(step.divergences)
-            done = self._emit(generated, fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
+            done = self._emit(generated, out.fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
             root = step.next_token
             if not done and drafter is not None:
                 new = torch.tensor(step.tokens, device=device)
@@ -231,7 +226,6 @@ class EaFsdModel(torch.nn.Module):
             streamer.end()
         new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
         out.sequences = torch.cat([input_ids, new_ids], dim=1)
-        out.fuzzy_mask = fuzzy_mask
         out.new_tokens = len(generated)
         out.verify_steps = len(out.accept_lengths)
         out.wall_time = time.perf_counter() - start

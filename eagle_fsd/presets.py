@@ -285,7 +285,8 @@ def _assemble(parts: list[Path], dest: Path, progress: bool) -> Path:
     return dest
 
 
-def _sha256(path: Path, progress: bool) -> str:
+def sha256_file(path: Path, progress: bool = False) -> str:
+    """Hex sha256 of a file, read in blocks (with a progress bar for the big GGUFs)."""
     h = hashlib.sha256()
     with open(path, "rb") as f, _bar(progress, path.stat().st_size, "checking sha256") as bar:
         while block := f.read(_CHUNK):
@@ -296,7 +297,7 @@ def _sha256(path: Path, progress: bool) -> str:
 
 def _check_sha256(preset: Preset, gguf: Path, wheels: Path, progress: bool) -> None:
     """Compare the GGUF's sha256 with the preset's; on a mismatch drop the bad download."""
-    actual = _sha256(gguf, progress)
+    actual = sha256_file(gguf, progress)
     if actual != preset.sha256:
         size = gguf.stat().st_size
         shutil.rmtree(wheels, ignore_errors=True)  # so the next fetch downloads again
@@ -594,7 +595,7 @@ def shipped_head(name_or_path: str) -> str | None:
     fix = "reinstall eagle-fsd (`pip install -e .` in a checkout), or pass another drafter (--drafter / ea_model_path)"
     if not (folder / "config.json").is_file() or not weights.is_file():
         raise FileNotFoundError(f"the EAGLE head shipped for {preset.name} is missing from {folder}; {fix}")
-    digest = _sha256(weights, progress=False)
+    digest = sha256_file(weights)
     if digest != preset.head_sha256:
         raise ValueError(f"{weights} has sha256 {digest}, but eagle-fsd ships {preset.head_sha256} for "
                          f"{preset.name}; {fix}")

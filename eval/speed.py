@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle_fsd.eval.mtbench import read_answers
+from eagle_fsd.tree.accept import acceptance_by_depth
 
 
 def per_turn(choice: dict, key: str, path: Path, qid) -> list:
@@ -44,15 +45,6 @@ def turn_rows(records: list[dict], path: Path) -> dict:
     return rows
 
 
-def depth_acceptance(lengths: list[int]) -> list[float]:
-    """[d-1] = P(a draft token at depth d is accepted | its parent was), pooled over all steps."""
-    rates = []
-    for d in range(1, max(lengths, default=0) + 1):
-        reached = sum(a >= d - 1 for a in lengths)
-        rates.append(sum(a >= d for a in lengths) / reached)
-    return rates
-
-
 def summarize(rows: dict, ids=None) -> dict:
     """Totals over the questions `ids` (default: all)."""
     turns = [t for qid, ts in rows.items() if ids is None or qid in ids for t in ts]
@@ -67,7 +59,7 @@ def summarize(rows: dict, ids=None) -> dict:
         steps = len(lengths)
         out["verify_steps"] = steps
         out["tau"] = (sum(lengths) + steps) / steps if steps else None
-        out["acceptance_by_depth"] = depth_acceptance(lengths)
+        out["acceptance_by_depth"] = acceptance_by_depth(lengths)
         out["accept_length_histogram"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         if all(t[4] is not None for t in turns):
             out["fuzzy_fraction"] = sum(f for t in turns for f in t[4]) / max(sum(lengths), 1)

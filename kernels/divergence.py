@@ -317,8 +317,6 @@ def fused_divergence_available(device) -> bool:
     return kernel_available(device)
 
 
-
-
 _SM_COUNT = {}
 
 

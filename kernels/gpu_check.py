@@ -292,7 +292,7 @@ def run_timing(device, toy: bool, bench: Bench, seed: int = 1):
             row["speedup_vs_sdpa_mask"] = min(masked) / row["tree_us"] if masked else None
             row["ratio_vs_sdpa_plain"] = row["sdpa_plain_us"] / row["tree_us"] if row.get("sdpa_plain_us") else None
         rows.append(row)
-        print(_format_row(row), flush=True)
+        print(_table_row(row, _COLS), flush=True)
     return rows
 
 
@@ -302,18 +302,20 @@ _COLS = [("B", 3), ("P", 6), ("N", 4), ("splits", 6), ("tree_us", 9), ("tree_nos
 _HEAD = ["B", "P", "N", "splits", "tree", "nosplit", "pack", "sdpa_msk", "sdpa_gqa", "sdpa_pln", "x_mask", "x_plain"]
 
 
-def _format_header():
-    return " ".join(h.rjust(w) for h, (_, w) in zip(_HEAD, _COLS))
+def _table_header(heads, cols) -> str:
+    return " ".join(h.rjust(w) for h, (_, w) in zip(heads, cols))
 
 
-def _format_row(row):
+def _table_row(row, cols) -> str:
+    """One right-aligned line: ratios to 2 decimals, errors in e-notation, times to 1 decimal, '-' where missing."""
     cells = []
-    for key, w in _COLS:
+    for key, w in cols:
         val = row.get(key)
         if val is None:
             cells.append("-".rjust(w))
         elif isinstance(val, float):
-            cells.append((f"{val:.2f}" if key.startswith(("speedup", "ratio")) else f"{val:.1f}").rjust(w))
+            fmt = ".2f" if key.startswith(("speedup", "ratio")) else ".1e" if key.endswith("err") else ".1f"
+            cells.append(format(val, fmt).rjust(w))
         else:
             cells.append(str(val).rjust(w))
     return " ".join(cells)
@@ -418,9 +420,9 @@ def time_fused_divergence(device, toy: bool, bench):
                       f"{max(row[v + '_max_abs_err'] for v in variants):.2e}", flush=True)
             else:
                 if not header_printed:
-                    print(_fd_header(), flush=True)
+                    print(_table_header(_FD_HEAD, _FD_COLS), flush=True)
                     header_printed = True
-                print(_fd_format_row(row), flush=True)
+                print(_table_row(row, _FD_COLS), flush=True)
             out_rows.append(row)
     return out_rows
 
@@ -434,26 +436,8 @@ def fused_divergence_table(rows) -> str:
     timed = [r for r in rows or [] if r.get("fused_us") is not None]
     if not timed:
         return ""
-    return "\n".join([f"fused divergence, N={timed[0]['N']} nodes, bf16 (median us)", _fd_header()]
-                     + [_fd_format_row(r) for r in timed])
-
-
-def _fd_header() -> str:
-    return " ".join(h.rjust(w) for h, (_, w) in zip(_FD_HEAD, _FD_COLS))
-
-
-def _fd_format_row(row) -> str:
-    cells = []
-    for key, w in _FD_COLS:
-        val = row.get(key)
-        if val is None:
-            cells.append("-".rjust(w))
-        elif isinstance(val, float):
-            fmt = ".2f" if key.startswith("speedup") else ".1e" if key.endswith("err") else ".1f"
-            cells.append(format(val, fmt).rjust(w))
-        else:
-            cells.append(str(val).rjust(w))
-    return " ".join(cells)
+    title = f"fused divergence, N={timed[0]['N']} nodes, bf16 (median us)"
+    return "\n".join([title, _table_header(_FD_HEAD, _FD_COLS)] + [_table_row(r, _FD_COLS) for r in timed])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -508,9 +492,9 @@ def main(argv=None) -> int:
         print("== 2. timing (median us) ==", flush=True)
         reps = args.reps or (2 if args.toy else 50)
         bench = Bench(device, warmup=1 if args.toy else 10, reps=reps)
-        print(_format_header(), flush=True)
+        print(_table_header(_HEAD, _COLS), flush=True)
         timing = run_timing(device, args.toy, bench)
-        table = "\n".join([_format_header()] + [_format_row(r) for r in timing])
+        table = "\n".join([_table_header(_HEAD, _COLS)] + [_table_row(r, _COLS) for r in timing])
 
     print("== 3. fused divergence: parity" + ("" if bench is None else " + timing (median us)") + " ==", flush=True)
     fused = time_fused_divergence(device, args.toy, bench)  # bench None (--skip-timing): parity only

@@ -28,17 +28,8 @@ HEAD_RAW = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_l
 TOL = 1e-5
 
 # eagle's EConfig passes rope_scaling=None, which transformers 5 reports as deprecated
-pytestmark = pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: intra-op threads only add contention (a 30-token generate goes from ~0.5 s to ~10 s on a busy
-    # 2-core box with the default thread count).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 # ----------------------------------------------------------------------------- builders

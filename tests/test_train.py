@@ -24,12 +24,7 @@ LAYOUT = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight"} | 
     {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +178,7 @@ def test_saved_head_loads_and_drives_lossless_generation(target, tmp_path):
 
     state = load_file(str(tmp_path / "head" / "model.safetensors"))
     assert set(state) == LAYOUT and all(v.dtype == torch.float16 for v in state.values())
-    assert digest == train._sha256_file(tmp_path / "head" / "model.safetensors")
+    assert digest == presets.sha256_file(tmp_path / "head" / "model.safetensors")
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["num_hidden_layers"] == 1 and config["bias"] is True and config["hidden_size"] == 64
 

@@ -110,3 +110,12 @@ def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None =
     path_divs = host[2 + 2 * width: 2 + 2 * width + accept_length + 1]
     return Step(path=path[: accept_length + 1], next_token=choice[deepest], accept_length=accept_length,
                 tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=path_divs, fuzzy_mask=fuzzy_mask)
+
+
+def acceptance_by_depth(accept_lengths: list[int]) -> list[float]:
+    """[d-1] = P(a draft token at depth d is accepted | its parent was), pooled over steps with these accept lengths."""
+    rates = []
+    for d in range(1, max(accept_lengths, default=0) + 1):
+        reached = sum(a >= d - 1 for a in accept_lengths)
+        rates.append(sum(a >= d for a in accept_lengths) / reached)
+    return rates
