@@ -93,7 +93,7 @@ _QWEN15_WHEELS, _QWEN15_PARTS = _chunked(
 
 # The EAGLE head we trained for SmolLM2 (`eagle-fsd train-head`, recipe in BENCHMARKS.md), shipped in the package.
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
-SMOLLM2_HEAD_SHA256 = "87ade4226ca279b690244984309fb48cc72f6e6add0bc836d9fdc7eb7ce43948"
+SMOLLM2_HEAD_SHA256 = "d9cd8dbbf651149d2f46aa32c175b74a5e43da06b6d2a84f354469a54a7c772f"
 
 PRESETS: dict[str, Preset] = {
     p.name: p
