@@ -93,7 +93,7 @@ _QWEN15_WHEELS, _QWEN15_PARTS = _chunked(
 
 # The EAGLE head we trained for SmolLM2 (`eagle-fsd train-head`, recipe in BENCHMARKS.md), shipped in the package.
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
-SMOLLM2_HEAD_SHA256 = "d9cd8dbbf651149d2f46aa32c175b74a5e43da06b6d2a84f354469a54a7c772f"
+SMOLLM2_HEAD_SHA256 = "7d1d2ba45ec0cfde1ec4b7492aaf86d3729221111db8623b6995bf4ff7cc47cb"
 
 PRESETS: dict[str, Preset] = {
     p.name: p

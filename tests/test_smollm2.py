@@ -12,7 +12,7 @@ from eagle_fsd.model import EaFsdModel
 
 pytestmark = pytest.mark.slow
 
-MIN_SHIPPED_TAU = 1.6  # a random head gives ~1.0; the shipped one measured 2.17 on these prompts, 1.75 on MT-Bench
+MIN_SHIPPED_TAU = 1.6  # a random head gives ~1.0; the shipped one measured 2.22 on these prompts, 1.87 on MT-Bench
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "List three prime numbers and explain why they are prime.",
            "Write a haiku about the sea."]
