@@ -1,9 +1,11 @@
 """Drafters: an EAGLE-1/2 head or any causal LM sharing the target's tokenizer, and the EAGLE-2 tree growth.
 
 A drafter keeps its own cache of committed context and offers:
-  prefill(prompt_ids, root, target_hidden) / extend(tokens, target_hidden) -> (log q over the root's children, root state)
-  forward_level(tokens, parent_state, level, level_mask) -> (log q over each node's children, node states)
+  prefill(prompt_ids, root, target_hidden) / extend(tokens, target_hidden) -> (draft logits at the root, root state)
+  forward_level(tokens, parent_state, level, level_mask) -> (draft logits at each node, node states)
   rollback()  -- drop the scratch entries of the tree levels
+  draft_vocab -- None, or the target ids of a reduced draft vocabulary (FR-Spec): the draft lm_head then scores only
+                 those tokens, so logits are (.., len(draft_vocab)); verification still uses the full vocabulary.
 Context positions: after `extend`, the drafter has consumed `length` inputs; tree level s (0-based) sits at position
 length + s for both kinds (EAGLE pairs feature f_t with token x_{t+1}, one input fewer than the LM, one position less).
 """
@@ -13,13 +15,14 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
-from eagle_fsd.tree.dynamic import DraftTree, choose_expansion, expand, next_level_mask, select_tree
+from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
 
 
 class EagleHead(nn.Module):
@@ -128,6 +131,42 @@ def load_eagle_head(path: str, target: nn.Module) -> EagleHead:
     return head.cast(target.dtype).to(target.device).eval()
 
 
+class DraftHead:
+    """The draft lm_head, optionally restricted to a draft vocabulary: logits = h W[ids]^T (+ b[ids])."""
+
+    def __init__(self, lm_head: nn.Module, width: int):
+        self.lm_head, self.width = lm_head, width  # width: the target's logit width
+        self.draft_vocab = None
+        self.weight, self.bias = None, None
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Score only the target ids `ids` (None: the whole vocabulary)."""
+        if ids is None:
+            self.draft_vocab, self.weight, self.bias = None, None, None
+            return
+        weight = self.lm_head.weight
+        ids = ids.to(weight.device, torch.long)
+        if ids.numel() == 0 or int(ids.max()) >= min(weight.shape[0], self.width) or int(ids.min()) < 0:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {min(weight.shape[0], self.width)}); got "
+                             f"{ids.numel()} ids in [{int(ids.min()) if ids.numel() else '-'}, "
+                             f"{int(ids.max()) if ids.numel() else '-'}]")
+        self.draft_vocab = ids
+        self.weight = weight.detach()[ids].contiguous()
+        bias = getattr(self.lm_head, "bias", None)
+        self.bias = None if bias is None else bias.detach()[ids].contiguous()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is not None:
+            return F.linear(hidden, self.weight, self.bias)
+        logits = self.lm_head(hidden)
+        width = logits.shape[-1]
+        if width > self.width:  # padding rows beyond the target's vocabulary are not tokens
+            return logits[..., : self.width]
+        if width < self.width:
+            return F.pad(logits, (0, self.width - width), value=float("-inf"))
+        return logits
+
+
 class EagleDrafter:
     """Drafts with an EAGLE head: input at position t is (embed(x_{t+1}), feature f_t)."""
 
@@ -139,7 +178,11 @@ class EagleDrafter:
             raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
         self.head, self.target = head, target
         self.embed = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.draft_head = DraftHead(target.get_output_embeddings(), target.config.vocab_size)
+
+    @property
+    def draft_vocab(self):
+        return self.draft_head.draft_vocab
 
     def reset(self, max_len: int):
         self.cache = TreeCache(1, max_len)
@@ -158,13 +201,13 @@ class EagleDrafter:
         hidden = self._run(tokens, target_hidden, causal_mask(self.length, n, tokens.device), positions)
         self.length += n
         last = hidden[-1:]
-        return torch.log_softmax(self.lm_head(last).float(), -1)[0], last[0]
+        return self.draft_head(last)[0], last[0]
 
     def forward_level(self, tokens, parent_state, level, level_mask):
         k = tokens.numel()
         positions = torch.full((k,), self.length + level, device=tokens.device)
         hidden = self._run(tokens, parent_state, prefix_tree_mask(self.length, level_mask), positions)
-        return torch.log_softmax(self.lm_head(hidden).float(), -1), hidden
+        return self.draft_head(hidden), hidden
 
     def rollback(self):
         self.cache.crop(self.length)
@@ -176,20 +219,15 @@ class LMDrafter:
     def __init__(self, model: nn.Module, vocab_size: int):
         self.model = model
         self.vocab_size = vocab_size  # the target's logit width; the draft's is cut or padded to it
-        self.lm_head = model.get_output_embeddings()
+        self.draft_head = DraftHead(model.get_output_embeddings(), vocab_size)
+
+    @property
+    def draft_vocab(self):
+        return self.draft_head.draft_vocab
 
     def reset(self, max_len: int):
         self.cache = TreeCache(self.model.config.num_hidden_layers, max_len)
         self.length = 0
-
-    def _logprobs(self, hidden):
-        logits = self.lm_head(hidden).float()
-        width = logits.shape[-1]
-        if width > self.vocab_size:
-            logits = logits[..., : self.vocab_size]
-        elif width < self.vocab_size:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
-        return torch.log_softmax(logits, -1)
 
     def prefill(self, prompt_ids, root, target_hidden=None):
         return self.extend(torch.cat([prompt_ids, root.reshape(1)]))
@@ -199,52 +237,19 @@ class LMDrafter:
         positions = self.length + torch.arange(n, device=tokens.device)
         hidden = decoder_forward(self.model, tokens, self.cache, causal_mask(self.length, n, tokens.device), positions)
         self.length += n
-        return self._logprobs(hidden[-1:])[0], None
+        return self.draft_head(hidden[-1:])[0], None
 
     def forward_level(self, tokens, parent_state, level, level_mask):
         positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
         hidden = decoder_forward(self.model, tokens, self.cache, prefix_tree_mask(self.length, level_mask), positions)
-        return self._logprobs(hidden), None
+        return self.draft_head(hidden), None
 
     def rollback(self):
         self.cache.crop(self.length)
 
 
-def grow_tree(drafter, root_token, root_logprobs, root_state, total_token: int, depth: int, top_k: int) -> DraftTree:
+def grow_tree(drafter, root_token, root_logits, root_state, total_token: int, depth: int, top_k: int) -> DraftTree:
     """EAGLE-2 drafting: `depth` draft forwards of top_k nodes each, then the global rerank to total_token nodes."""
-    device = root_logprobs.device
-    k = top_k
-    tokens, scores = expand(torch.zeros(1, device=device), root_logprobs[None], k)
-    frontier_tokens, frontier_scores = tokens[0], scores[0]
-    frontier_pool = torch.arange(1, k + 1, device=device)
-    frontier_state = None if root_state is None else root_state[None].expand(k, -1)
-    level_mask = torch.eye(k, dtype=torch.bool, device=device)
-
-    pool_tokens, pool_scores = [frontier_tokens], [frontier_scores]
-    pool_parents = [torch.zeros(k, dtype=torch.long, device=device)]
-    pool_depths = [torch.ones(k, dtype=torch.long, device=device)]
-    pool_dist_row = torch.full((1 + k + depth * k * k,), -1, dtype=torch.long, device=device)
-    pool_dist_row[0] = 0
-    logprob_rows = [root_logprobs[None]]
-    n_pool = k
-    for level in range(depth):
-        logprobs, states = drafter.forward_level(frontier_tokens, frontier_state, level, level_mask)
-        pool_dist_row[frontier_pool] = torch.arange(1 + level * k, 1 + (level + 1) * k, device=device)
-        logprob_rows.append(logprobs)
-        child_tokens, child_scores = expand(frontier_scores, logprobs, k)
-        pool_tokens.append(child_tokens.flatten())
-        pool_scores.append(child_scores.flatten())
-        pool_parents.append(frontier_pool.repeat_interleave(k))
-        pool_depths.append(torch.full((k * k,), level + 2, dtype=torch.long, device=device))
-        child_pool = n_pool + 1 + torch.arange(k * k, device=device)
-        n_pool += k * k
-        if level + 1 < depth:
-            flat, rows, frontier_scores = choose_expansion(child_scores, k)
-            frontier_pool, frontier_tokens = child_pool[flat], child_tokens.flatten()[flat]
-            frontier_state = None if states is None else states[rows]
-            level_mask = next_level_mask(level_mask, rows)
+    pool = grow_pool(drafter.forward_level, root_logits, root_state, depth, top_k, drafter.draft_vocab)
     drafter.rollback()
-    tree = select_tree(root_token, torch.cat(pool_tokens), torch.cat(pool_scores), torch.cat(pool_parents),
-                       torch.cat(pool_depths), pool_dist_row, total_token, max_depth=depth + 1)
-    tree.draft_logprobs = torch.cat(logprob_rows)
-    return tree
+    return select_tree(root_token, pool, total_token, max_depth=depth + 1)

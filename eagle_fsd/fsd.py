@@ -49,8 +49,10 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfi
                      processor=None) -> torch.Tensor:
     """(n,) D_n = Div(p_n, q_n) for every expanded node, NaN for the others (never accepted fuzzily).
 
-    Both distributions are cut to the tokenizer's `vocab_size`: logit rows padded beyond it are not tokens."""
-    draft = tree.draft_logprobs[tree.dist_index.clamp(min=0)]
+    Both distributions are cut to the tokenizer's `vocab_size`: logit rows padded beyond it are not tokens. With a
+    reduced draft vocabulary q is 0 outside it, so KL(p||q) (kl_pq) and legacy_js are +inf wherever p has mass
+    there (never a fuzzy accept); kl_qp, jsd and tv stay finite."""
+    draft = tree.draft_logprobs_over(target_logits.shape[-1])[tree.dist_index.clamp(min=0)]
     target, draft = align_vocab(target_logits.float(), draft, vocab_size)
     if fsd.distributions == "processed" and processor is not None:
         target, draft = processor(None, target), processor(None, draft.clone())

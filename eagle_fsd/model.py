@@ -28,6 +28,13 @@ class GenerateOutput:
     divergences: list[list[float]] = field(default_factory=list)  # per step, D at each visited node with children
     fuzzy_mask: list[bool] = field(default_factory=list)     # per new token: accepted only by the FSD rule
     wall_time: float = 0.0
+    plain_steps: int = 0                     # steps decoded without a draft (the speed guard's fallback)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / accept / cache / other
+
+    @property
+    def fell_back(self) -> bool:
+        """True when some tokens were decoded plainly because speculation did not pay (see SpeedGuard)."""
+        return self.plain_steps > 0
 
     @property
     def tau(self) -> float:
@@ -52,6 +59,51 @@ def eos_token_ids(model, eos_token_id=None) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
+class PhaseClock:
+    """Wall time per phase of the loop: lap(name) charges the time since the previous lap to `name`.
+    On CUDA the laps synchronise only when asked to (profiling), so that timing never slows a normal run."""
+
+    def __init__(self, sync: bool = False):
+        self.seconds: dict[str, float] = {}
+        self.sync = sync and torch.cuda.is_available()
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+class SpeedGuard:
+    """Never slower than plain decoding. Speculation's rate over the last `window` speculative steps is compared
+    with the plain rate (the cost model's, refined by any plain steps of this run); when it is lower, the next
+    `backoff` tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses).
+    plain_rate None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss)."""
+
+    def __init__(self, plain_rate: float | None, window: int = 8, backoff: int = 32, start_plain: bool = False):
+        self.plain_rate, self.window, self.backoff = plain_rate, window, backoff
+        self.recent: list[tuple[int, float]] = []
+        self.plain_left = backoff if start_plain and plain_rate is not None else 0
+
+    def speculate(self) -> bool:
+        return self.plain_left <= 0
+
+    def record(self, speculative: bool, tokens: int, seconds: float) -> None:
+        if self.plain_rate is None:
+            return
+        if not speculative:
+            self.plain_left -= tokens
+            self.plain_rate = 0.8 * self.plain_rate + 0.2 * tokens / max(seconds, 1e-9)
+            return
+        self.recent = (self.recent + [(tokens, seconds)])[-self.window:]
+        if len(self.recent) == self.window:
+            rate = sum(t for t, _ in self.recent) / max(sum(s for _, s in self.recent), 1e-9)
+            if rate < self.plain_rate:
+                self.plain_left, self.backoff, self.recent = self.backoff, 2 * self.backoff, []
+
+
 class EaFsdModel(torch.nn.Module):
     """EAGLE-2 dynamic-tree speculative decoding over a Hugging Face causal LM (batch size 1).
 
@@ -67,22 +119,34 @@ class EaFsdModel(torch.nn.Module):
         self.drafter = drafter
         self.total_token, self.depth, self.top_k = total_token, depth, top_k
         self._check_tree_args(total_token, depth, top_k)
+        self.tuning = None  # a tune.Tuning once the cost model chose the tree (auto settings): plain rate, guard
         # the token vocabulary: logit rows beyond it (padding) are not tokens
         self.vocab_size = len(tokenizer) if tokenizer is not None else base_model.config.vocab_size
 
     # ---------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
-                        total_token: int = 60, depth: int = 5, top_k: int = 10, dtype="auto",
-                        device_map=None, attention: str = "auto", **kwargs):
+                        total_token: int | str | None = None, depth: int | str | None = None,
+                        top_k: int | str | None = None, dtype="auto",
+                        device_map=None, attention: str = "auto", tune_progress: bool = True, **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
         ea_model_path: an EAGLE-1/2 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
         hub id or a loaded model). Without either, a preset's default drafter is used if it has one (the EAGLE head
-        shipped for it, else its sibling LM)."""
+        shipped for it, else its sibling LM).
+        total_token / depth / top_k: ints (EAGLE's meaning) or "auto": the shape the measured cost model predicts
+        fastest on this machine (eagle_fsd.tune; measured once, cached), with plain decoding when nothing pays.
+        Unset: "auto" for a preset, else EAGLE's defaults (60, 5, 10).
+        dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32."""
         from eagle_fsd import presets
+        from eagle_fsd.tune import resolve_dtype
 
         check_backend(attention)
-        cls._check_tree_args(total_token, depth, top_k)  # bad arguments fail before any loading
+        preset = base_model in presets.PRESETS
+        total_token, depth, top_k = (("auto" if preset else default) if value is None else value
+                                     for value, default in ((total_token, 60), (depth, 5), (top_k, 10)))
+        auto = [name for name, v in (("total_token", total_token), ("depth", depth), ("top_k", top_k)) if v == "auto"]
+        cls._check_tree_args(*(1 if v == "auto" else v for v in (total_token, depth, top_k)))  # fail before loading
+        dtype = resolve_dtype(dtype, device_map)
         if ea_model_path is None and draft_model is None:  # the preset's own drafter: a shipped head, else an LM
             ea_model_path = presets.shipped_head(base_model)
             if ea_model_path is None:
@@ -103,7 +167,18 @@ class EaFsdModel(torch.nn.Module):
                     draft_path, dtype=target.dtype, attn_implementation=ATTENTION_NAME).to(target.device).eval()
             draft_model.config.eagle_fsd_attention = attention
             drafter = LMDrafter(draft_model, target.config.vocab_size)
-        return cls(target, tokenizer, drafter, total_token=total_token, depth=depth, top_k=top_k)
+        fixed = [1 if v == "auto" else v for v in (total_token, depth, top_k)]
+        model = cls(target, tokenizer, drafter, *fixed)
+        if drafter is not None and auto:
+            from eagle_fsd.tune import autotune
+
+            autotune(model, base_model, drafter_name=ea_model_path or draft_model, auto=auto,
+                     fixed=dict(total_token=total_token, depth=depth, top_k=top_k), progress=tune_progress)
+        return model
+
+    def set_tree(self, total_token: int, depth: int, top_k: int) -> None:
+        self._check_tree_args(total_token, depth, top_k)
+        self.total_token, self.depth, self.top_k = total_token, depth, top_k
 
     @staticmethod
     def _check_tree_args(total_token, depth, top_k):
@@ -120,18 +195,21 @@ class EaFsdModel(torch.nn.Module):
     def generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None,
                  fsd_threshold: float | None = None, fsd_divergence: str = "kl_qp", fsd_mode: str = "reducible",
-                 fsd_distributions: str = "raw", fsd_top_k: int | None = None, fsd: FsdConfig | None = None):
+                 fsd_distributions: str = "raw", fsd_top_k: int | None = None, fsd: FsdConfig | None = None,
+                 profile: bool = False):
         """Speculative decoding. Without FSD (fsd_threshold=None) greedy output is token-for-token the target's own
         greedy output and sampling output follows the target's processed distribution exactly. With a threshold T,
         a draft token is also accepted when Div(target, draft) at its parent is under T (see tree/accept.py); `fsd`
-        takes the same settings as one FsdConfig."""
+        takes the same settings as one FsdConfig. With tuned (auto) settings a speed guard decodes plainly while
+        speculation measures slower than plain decoding (`GenerateOutput.plain_steps`); output is unchanged by it.
+        profile: on CUDA, synchronise at each phase so that `phase_seconds` is exact."""
         if self.drafter is None:
             raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
                              "or use naive_generate for plain decoding")
         if fsd is None:
             fsd = FsdConfig(fsd_threshold, fsd_divergence, fsd_mode, fsd_distributions, fsd_top_k)
         return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
-                              return_dict, eos_token_id, fsd)
+                              return_dict, eos_token_id, fsd, profile)
 
     @torch.no_grad()
     def naive_generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
@@ -180,7 +258,7 @@ class EaFsdModel(torch.nn.Module):
                              "max_new_tokens")
 
     def _generate(self, input_ids, drafter, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
-                  eos_token_id, fsd: FsdConfig | None = None):
+                  eos_token_id, fsd: FsdConfig | None = None, profile: bool = False):
         processor = logits_processor(temperature, top_p, top_k)
         self._check_generate_args(input_ids, max_new_tokens)
         start = time.perf_counter()
@@ -199,28 +277,50 @@ class EaFsdModel(torch.nn.Module):
         root = choose_tokens(model.get_output_embeddings()(hidden[-1:]), processor)[0]
         if drafter is not None:
             drafter.reset(cache.max_len + self.depth * self.top_k)
-            root_logprobs, root_state = drafter.prefill(prompt, root, hidden)
+            root_logits, root_state = drafter.prefill(prompt, root, hidden)
 
         generated: list[int] = []
         out = GenerateOutput(sequences=input_ids)
         done = self._emit(generated, out.fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
+        guard = self._speed_guard() if drafter is not None else None
+        behind: list[tuple[torch.Tensor, torch.Tensor]] = []  # tokens decoded plainly that the drafter has not read
+        clock = PhaseClock(sync=profile)
         while not done:
-            if drafter is None:
-                tree = chain_tree(root.reshape(1))
+            step_start = clock.last
+            speculate = drafter is not None and guard.speculate()
+            if speculate and behind:  # back from plain decoding: the drafter reads what it missed, in one forward
+                root_logits, root_state = drafter.extend(torch.cat([t for t, _ in behind]),
+                                                         torch.cat([h for _, h in behind]))
+                behind.clear()
+            if speculate:
+                tree = grow_tree(drafter, root, root_logits, root_state, self.total_token, self.depth, self.top_k)
             else:
-                tree = grow_tree(drafter, root, root_logprobs, root_state, self.total_token, self.depth, self.top_k)
+                tree = chain_tree(root.reshape(1))
+            clock.lap("draft")
             committed = cache.get_seq_length()
             logits, hidden = self._verify(tree, cache)
+            clock.lap("verify")
             step = self._accept(tree, logits, processor, fsd)
+            clock.lap("accept")
             cache.keep(committed, step.path)
+            clock.lap("cache")
             out.accept_lengths.append(step.accept_length)
             out.fuzzy_accepts.append(step.fuzzy)
             out.divergences.append(step.divergences)
+            out.plain_steps += drafter is not None and not speculate
             done = self._emit(generated, out.fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
             root = step.next_token
+            clock.lap("other")
             if not done and drafter is not None:
                 new = torch.tensor(step.tokens, device=device)
-                root_logprobs, root_state = drafter.extend(new, hidden[step.path])
+                if speculate:
+                    root_logits, root_state = drafter.extend(new, hidden[step.path])
+                else:
+                    behind.append((new, hidden[step.path]))
+                clock.lap("draft")
+            if guard is not None:
+                guard.record(speculate, len(step.tokens), clock.last - step_start)
+        out.phase_seconds = clock.seconds
 
         if streamer is not None:
             streamer.end()
@@ -230,6 +330,14 @@ class EaFsdModel(torch.nn.Module):
         out.verify_steps = len(out.accept_lengths)
         out.wall_time = time.perf_counter() - start
         return out if return_dict else out.sequences
+
+    def _speed_guard(self) -> SpeedGuard:
+        """The never-slower-than-plain guard: on with tuned settings (it needs the measured plain rate)."""
+        if self.tuning is None:
+            return SpeedGuard(None)
+        if not self.tuning.speculate:  # predicted to lose: plain first, speculation re-tried after 128 tokens
+            return SpeedGuard(self.tuning.plain_tokens_per_s, backoff=128, start_plain=True)
+        return SpeedGuard(self.tuning.plain_tokens_per_s)
 
     def _verify(self, tree, cache):
         """All tree nodes in one target forward, node i at position committed + depth(i): (logits, hidden)."""

@@ -38,12 +38,14 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
                    help="LM drafter sharing the tokenizer (preset, dir or hub id) or an EAGLE head directory; "
                         "default: the preset's drafter")
     p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                   help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
     p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
-    p.add_argument("--total-token", type=int, default=None, help="tree nodes incl. root (default 60 on GPU, 24 on CPU)")
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=None,
-                   help="draft tree branching (EAGLE's --top-k), not sampling (default 10 on GPU, 4 on CPU)")
+    p.add_argument("--total-token", type=tree_arg, default="auto",
+                   help="tree nodes incl. root, or auto (default): chosen by the measured cost model (eagle-fsd tune)")
+    p.add_argument("--depth", type=tree_arg, default="auto", help="draft forwards per step, or auto")
+    p.add_argument("--top-k", type=tree_arg, default="auto",
+                   help="draft tree branching (EAGLE's --top-k), not sampling; or auto")
     p.add_argument(*max_new_flag, dest="max_new_token", type=int, default=max_new_default)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -66,15 +68,24 @@ def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True) -> Non
     p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
 
 
+def tree_arg(text: str):
+    """A tree setting: a positive int (EAGLE's meaning) or "auto" (the cost model's choice)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int or 'auto' (EAGLE's GPU defaults: "
+                                         "total_token 60, depth 5, top_k 10)")
+    return value
+
+
 def finish_model_args(p: argparse.ArgumentParser, args) -> None:
-    """Device-dependent tree defaults, and bad FSD values failing at parse time, not after minutes of loading."""
+    """Bad FSD values fail at parse time, not after minutes of loading."""
     from eagle_fsd.fsd import FsdConfig
 
-    # EAGLE's GPU tree (60 nodes, top-k 10) is too big for a CPU, where verification cost grows with the tree
-    # (the same defaults as `eagle-fsd run`).
-    gpu = torch.cuda.is_available()
-    args.total_token = args.total_token or (60 if gpu else 24)
-    args.top_k = args.top_k or (10 if gpu else 4)
     try:
         FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)
     except ValueError as err:

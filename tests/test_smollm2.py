@@ -105,3 +105,19 @@ def test_shipped_head_is_the_default_drafter_and_lossless():
         assert torch.equal(out.sequences, reference)
         steps, tokens = steps + out.verify_steps, tokens + sum(a + 1 for a in out.accept_lengths)
     assert tokens / steps > MIN_SHIPPED_TAU, tokens / steps  # tau: tokens per target forward
+
+
+def test_auto_settings_tune_once_and_stay_lossless():
+    """A preset's default tree is "auto": the cost model measured on this machine (cached) picks the tree and the
+    draft vocabulary; whatever it picks, greedy output is the target's own, and the cached profile is reused."""
+    model = EaFsdModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    tuning = model.tuning
+    assert tuning is not None and tuning.shape[:3] == (model.total_token, model.depth, model.top_k)
+    vocab = model.drafter.draft_vocab
+    assert (vocab is None) == (tuning.shape[3] == 0) and (vocab is None or vocab.numel() == tuning.shape[3])
+    for text in PROMPTS:
+        ids = encode(model.tokenizer, text)
+        out = model.generate(ids, max_new_tokens=48, return_dict=True)
+        assert torch.equal(out.sequences, model.naive_generate(ids, max_new_tokens=48))
+    again = EaFsdModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
+    assert again.tuning.path == tuning.path and again.tuning.shape == tuning.shape

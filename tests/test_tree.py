@@ -6,7 +6,7 @@ from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import LMDrafter, grow_tree
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.tree.accept import accept
-from eagle_fsd.tree.dynamic import chain_tree, select_tree
+from eagle_fsd.tree.dynamic import DraftPool, chain_tree, select_tree
 from tiny import tiny_model
 
 
@@ -39,7 +39,7 @@ def test_select_tree_structure(k, depth, total):
     gen = torch.Generator().manual_seed(k * 100 + depth)
     tokens, scores, parents, depths = random_pool(k, depth, 500, gen)
     dist_row = torch.full((tokens.numel() + 1,), -1)
-    tree = select_tree(torch.tensor(7), tokens, scores, parents, depths, dist_row, total, depth + 1)
+    tree = select_tree(torch.tensor(7), DraftPool(tokens, scores, parents, depths, dist_row), total, depth + 1)
     n = tree.size
     assert n == min(total, tokens.numel() + 1)
     assert tree.tokens[0] == 7 and tree.parents[0] == -1 and tree.depths[0] == 0
@@ -67,7 +67,7 @@ def test_select_tree_ties_keep_ancestors():
     scores = torch.tensor([0.0, -1.0, 0.0, 0.0, -2.0, 0.0])   # chain 1 -> 3 -> 4 -> 6 all with score 0
     parents = torch.tensor([0, 0, 1, 3, 2, 4])
     depths = torch.tensor([1, 1, 2, 3, 2, 4])
-    tree = select_tree(torch.tensor(0), tokens, scores, parents, depths, torch.full((7,), -1), 4, 4)
+    tree = select_tree(torch.tensor(0), DraftPool(tokens, scores, parents, depths, torch.full((7,), -1)), 4, 4)
     assert tree.tokens.tolist() == [0, 1, 3, 4]
     assert tree.parents.tolist() == [-1, 0, 1, 2]
 
@@ -76,8 +76,8 @@ def test_accept_matches_brute_force_walk():
     gen = torch.Generator().manual_seed(3)
     for trial in range(200):
         tokens, scores, parents, depths = random_pool(3, 3, 6, gen)  # tiny vocab: many matches
-        tree = select_tree(torch.tensor(0), tokens, scores, parents, depths, torch.full((tokens.numel() + 1,), -1),
-                           15, 4)
+        pool = DraftPool(tokens, scores, parents, depths, torch.full((tokens.numel() + 1,), -1))
+        tree = select_tree(torch.tensor(0), pool, 15, 4)
         choice = torch.randint(0, 6, (tree.size,), generator=gen)
         step = accept(tree, choice)
         path, accept_length, next_token = step.path, step.accept_length, step.next_token

@@ -29,7 +29,8 @@ class DraftTree:
     scores:           (n,) cumulative draft log-prob of the path to each node (root 0)
     dist_index:       (n,) row of `draft_logprobs` holding the draft distribution over node i's children, -1 if
                       node i was not expanded
-    draft_logprobs:   (n_expanded, V) draft log-probs at the expanded nodes
+    draft_logits:     (n_expanded, V_draft) raw draft logits at the expanded nodes
+    draft_vocab:      (V_draft,) target ids of the draft vocabulary (None: the full vocabulary)
     """
 
     tokens: torch.Tensor
@@ -39,7 +40,24 @@ class DraftTree:
     tree_mask: torch.Tensor
     scores: torch.Tensor
     dist_index: torch.Tensor
-    draft_logprobs: torch.Tensor | None = None
+    draft_logits: torch.Tensor | None = None
+    draft_vocab: torch.Tensor | None = None
+
+    def draft_logprobs_over(self, vocab_size: int) -> torch.Tensor:
+        """(n_expanded, vocab_size) fp32 draft log-probs over the target vocabulary: log q = -inf outside a reduced
+        draft vocabulary (q is 0 there)."""
+        logprobs = torch.log_softmax(self.draft_logits.float(), dim=-1)
+        if self.draft_vocab is None:
+            return logprobs
+        full = logprobs.new_full((logprobs.shape[0], vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_vocab, logprobs)
+
+    @property
+    def draft_logprobs(self) -> torch.Tensor:
+        """Draft log-probs over the draft model's logit width (the target vocabulary when not reduced)."""
+        if self.draft_vocab is not None:
+            raise ValueError("a reduced draft vocabulary: use draft_logprobs_over(vocab_size)")
+        return torch.log_softmax(self.draft_logits.float(), dim=-1)
 
     @property
     def size(self) -> int:
@@ -49,12 +67,6 @@ class DraftTree:
     def retrieve_indices(self) -> torch.Tensor:
         """(n_leaves, max_leaf_depth + 1): each row the root-to-leaf path as node indices, -1 padded (EAGLE's tensor)."""
         return retrieve_indices(self.parents, self.ancestors, self.depths)
-
-
-def expand(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, top_k: int):
-    """Top_k children of each parent row: tokens (k_parents, top_k) and cumulative scores parent + log q(child)."""
-    child_lp, child_tokens = child_logprobs.topk(top_k, dim=-1)
-    return child_tokens, parent_scores[:, None] + child_lp
 
 
 def choose_expansion(cumulative_scores: torch.Tensor, top_k: int):
@@ -76,35 +88,105 @@ def next_level_mask(level_mask: torch.Tensor, parent_rows: torch.Tensor) -> torc
     return torch.cat([level_mask[parent_rows], eye], dim=1)
 
 
-def select_tree(
-    root_token: torch.Tensor,
-    pool_tokens: torch.Tensor,
-    pool_scores: torch.Tensor,
-    pool_parents: torch.Tensor,
-    pool_depths: torch.Tensor,
-    pool_dist_row: torch.Tensor,
-    total_token: int,
-    max_depth: int,
-) -> DraftTree:
+@dataclass
+class DraftPool:
+    """Every node drafted in one step, before the global rerank. Non-root nodes are numbered 1..P in drafting
+    order (level-major), so a parent's pool index is smaller than its children's and the nodes of the first d
+    levels are a prefix of the pool.
+
+    tokens, scores, parents, depths: (P,) token, cumulative draft log-prob, parent pool index (0 = root), level
+    dist_row:     (P + 1,) row of `draft_logits` holding the draft distribution over a pool node's children (root
+                  included), -1 if the node was not expanded
+    draft_logits: (rows, V_draft) raw draft logits at the expanded nodes
+    draft_vocab:  (V_draft,) target ids of the draft vocabulary columns, None when it is the full vocabulary
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    dist_row: torch.Tensor
+    draft_logits: torch.Tensor | None = None
+    draft_vocab: torch.Tensor | None = None
+
+    def first_levels(self, levels: int) -> "DraftPool":
+        """The pool a `levels`-deep drafting with the same top_k would have grown (a prefix of this one)."""
+        n = int((self.depths <= levels).sum())
+        return DraftPool(self.tokens[:n], self.scores[:n], self.parents[:n], self.depths[:n], self.dist_row[: n + 1],
+                         self.draft_logits, self.draft_vocab)
+
+
+def top_logprobs(logits: torch.Tensor, top_k: int, draft_vocab: torch.Tensor | None = None):
+    """Top_k draft log-probs and their target token ids per row: log q = logit - logsumexp(logits), computed for
+    the top_k only (the full log_softmax is never materialised)."""
+    values, columns = logits.topk(top_k, dim=-1)
+    logprobs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    tokens = columns if draft_vocab is None else draft_vocab[columns]
+    return logprobs, tokens
+
+
+def grow_pool(forward_level, root_logits: torch.Tensor, root_state, depth: int, top_k: int,
+              draft_vocab: torch.Tensor | None = None) -> DraftPool:
+    """EAGLE-2 drafting: the root's top_k children, then `depth` draft forwards, each over the top_k nodes of the
+    newest level with the best cumulative log-prob, adding their top_k children.
+
+    forward_level(tokens (k,), parent_states, level, level_mask (k, k * (level + 1))) -> (logits (k, V_draft),
+    states): one draft forward over a level's nodes, each seeing its ancestors of earlier levels and itself."""
+    device = root_logits.device
+    k = top_k
+    root_lp, root_tokens = top_logprobs(root_logits[None], k, draft_vocab)
+    frontier_tokens, frontier_scores = root_tokens[0], root_lp[0]
+    frontier_pool = torch.arange(1, k + 1, device=device)
+    frontier_state = None if root_state is None else root_state[None].expand(k, -1)
+    level_mask = torch.eye(k, dtype=torch.bool, device=device)
+
+    tokens, scores = [frontier_tokens], [frontier_scores]
+    parents = [torch.zeros(k, dtype=torch.long, device=device)]
+    depths = [torch.ones(k, dtype=torch.long, device=device)]
+    dist_row = torch.full((1 + k + depth * k * k,), -1, dtype=torch.long, device=device)
+    dist_row[0] = 0
+    logit_rows = [root_logits[None]]
+    n_pool = k
+    for level in range(depth):
+        logits, states = forward_level(frontier_tokens, frontier_state, level, level_mask)
+        dist_row[frontier_pool] = torch.arange(1 + level * k, 1 + (level + 1) * k, device=device)
+        logit_rows.append(logits)
+        child_lp, child_tokens = top_logprobs(logits, k, draft_vocab)
+        child_scores = frontier_scores[:, None] + child_lp
+        tokens.append(child_tokens.flatten())
+        scores.append(child_scores.flatten())
+        parents.append(frontier_pool.repeat_interleave(k))
+        depths.append(torch.full((k * k,), level + 2, dtype=torch.long, device=device))
+        child_pool = n_pool + 1 + torch.arange(k * k, device=device)
+        n_pool += k * k
+        if level + 1 < depth:
+            flat, rows, frontier_scores = choose_expansion(child_scores, k)
+            frontier_pool, frontier_tokens = child_pool[flat], child_tokens.flatten()[flat]
+            frontier_state = None if states is None else states[rows]
+            level_mask = next_level_mask(level_mask, rows)
+    return DraftPool(torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(depths),
+                     dist_row[: n_pool + 1], torch.cat(logit_rows), draft_vocab)
+
+
+def select_tree(root_token: torch.Tensor, pool: DraftPool, total_token: int, max_depth: int | None = None) -> DraftTree:
     """Global rerank: keep the best `total_token - 1` pool nodes (plus the root) and build the tree tensors.
 
-    pool_* (P,) describe non-root pool nodes 1..P; pool_parents holds pool indices (0 = root).
-    pool_dist_row (P + 1,) maps a pool index (root included) to its row of draft log-probs, -1 if not expanded.
-    max_depth bounds pool_depths (the number of draft levels).
-    """
-    device = pool_tokens.device
-    m = min(total_token - 1, pool_tokens.numel())
-    order = torch.sort(pool_scores, descending=True, stable=True).indices[:m]
+    max_depth bounds pool.depths (default: the deepest pool level)."""
+    device = pool.tokens.device
+    if max_depth is None:
+        max_depth = int(pool.depths.max()) if pool.depths.numel() else 0
+    m = min(total_token - 1, pool.tokens.numel())
+    order = torch.sort(pool.scores, descending=True, stable=True).indices[:m]
     chosen = torch.sort(order).values  # pool order = parents before children
-    node_of_pool = torch.full((pool_tokens.numel() + 1,), -1, dtype=torch.long, device=device)
+    node_of_pool = torch.full((pool.tokens.numel() + 1,), -1, dtype=torch.long, device=device)
     node_of_pool[0] = 0
     node_of_pool[chosen + 1] = torch.arange(1, m + 1, device=device)
 
     zero = torch.zeros(1, dtype=torch.long, device=device)
-    tokens = torch.cat([root_token.reshape(1).to(device), pool_tokens[chosen]])
-    parents = torch.cat([zero - 1, node_of_pool[pool_parents[chosen]]])
-    depths = torch.cat([zero, pool_depths[chosen]])
-    scores = torch.cat([torch.zeros(1, dtype=pool_scores.dtype, device=device), pool_scores[chosen]])
+    tokens = torch.cat([root_token.reshape(1).to(device), pool.tokens[chosen]])
+    parents = torch.cat([zero - 1, node_of_pool[pool.parents[chosen]]])
+    depths = torch.cat([zero, pool.depths[chosen]])
+    scores = torch.cat([torch.zeros(1, dtype=pool.scores.dtype, device=device), pool.scores[chosen]])
     ancestors = ancestor_table(parents, depths, max_depth)
     return DraftTree(
         tokens=tokens,
@@ -113,7 +195,9 @@ def select_tree(
         ancestors=ancestors,
         tree_mask=tree_mask_from_ancestors(ancestors, depths),
         scores=scores,
-        dist_index=pool_dist_row[torch.cat([zero, chosen + 1])],
+        dist_index=pool.dist_row[torch.cat([zero, chosen + 1])],
+        draft_logits=pool.draft_logits,
+        draft_vocab=pool.draft_vocab,
     )
 
 

@@ -1,0 +1,213 @@
+"""The cost model and its choices: the argmax of the formula, the exact replay of acceptance, the speed guard,
+plain decoding when speculation cannot pay, dtype "auto", and reduced draft vocabularies."""
+import itertools
+import json
+
+import pytest
+import torch
+
+from eagle_fsd import tune, vocab
+from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.fsd import FsdConfig, node_divergences
+from eagle_fsd.model import EaFsdModel, SpeedGuard
+from eagle_fsd.tree.accept import accept
+from eagle_fsd.tree.dynamic import DraftPool, grow_pool, select_tree
+from tiny import hf_greedy, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ----------------------------------------------------------------------------- the formula
+def synthetic_profile(seed=0) -> tune.CostProfile:
+    gen = torch.Generator().manual_seed(seed)
+    sizes, ks, depths, vocabs = (2, 4, 8, 16, 32), (1, 2, 4), (1, 2, 3, 4), (0, 4096)
+    verify = {n: 30.0 * (1 + 0.05 * n) + float(torch.rand(1, generator=gen)) * 5 for n in sizes}
+    level = {(k, v): (6.0 if v == 0 else 2.0) * (1 + 0.2 * k) for k in ks for v in vocabs}
+    extend = {0: 6.0, 4096: 2.5}
+    tau = {(n, d, k, v): 1 + float(torch.rand(1, generator=gen)) * min(n - 1, d + 1) * 0.8
+           for n, d, k, v in itertools.product(sizes, depths, ks, vocabs)}
+    return tune.CostProfile(verify, level, extend, overhead_ms=1.5, plain_ms=32.0, tau=tau)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_choice_is_the_argmax_of_the_formula(seed):
+    profile = synthetic_profile(seed)
+
+    def predicted(n, d, k, v):  # the README's formula, written out independently
+        step = profile.verify_ms[n] + d * profile.level_ms[(k, v)] + profile.extend_ms[v] + profile.overhead_ms
+        return profile.tau[(n, d, k, v)] * profile.plain_ms / step
+
+    best = max(profile.tau, key=lambda s: predicted(*s))
+    shape, speedup = tune.choose_shape(profile)
+    assert shape == best and speedup == pytest.approx(predicted(*best))
+    # fixed values restrict the search; the rest stays an argmax
+    shape, _ = tune.choose_shape(profile, depth=2)
+    assert shape == max((s for s in profile.tau if s[1] == 2), key=lambda s: predicted(*s))
+    with pytest.raises(ValueError, match="no measured tree shape"):
+        tune.choose_shape(profile, total_token=7)
+
+
+def test_profile_json_round_trip_and_plain_verdict():
+    profile = synthetic_profile(1)
+    again = tune.CostProfile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert again == profile
+    slow = tune.CostProfile({2: 50.0}, {(1, 0): 20.0}, {0: 20.0}, 0.0, 30.0, {(2, 1, 1, 0): 1.2})
+    tuning = tune.tuning_from(slow, {})
+    assert not tuning.speculate and tuning.predicted_speedup == pytest.approx(1.2 * 30 / 90)
+
+
+# ----------------------------------------------------------------------------- replay
+def random_pool(k, levels, vocab_size, gen):
+    """A pool grown by grow_pool from random draft logits (a stand-in drafter)."""
+    def forward_level(tokens, states, level, mask):
+        return torch.randn(tokens.numel(), vocab_size, generator=gen) * 3, None
+    return grow_pool(forward_level, torch.randn(vocab_size, generator=gen) * 3, None, levels, k)
+
+
+@pytest.mark.parametrize("k,levels", [(1, 4), (2, 3), (3, 3), (4, 2)])
+def test_accepted_lengths_equal_select_tree_then_accept(k, levels):
+    """Every (size, depth) read off one pool equals building that tree and walking it with the target's choices."""
+    gen = torch.Generator().manual_seed(10 * k + levels)
+    sizes = (2, 3, 4, 6, 9, 14, 30)
+    for _ in range(30):
+        pool = random_pool(k, levels, 6, gen)  # tiny vocab: long matches are common
+        continuation = torch.randint(0, 6, (levels + 1,), generator=gen).tolist()
+        got = tune.accepted_lengths(pool, continuation, sizes, range(1, levels + 1))
+        for (n, d), a in got.items():
+            tree = select_tree(torch.tensor(0), pool.first_levels(d + 1), n, d + 1)
+            # greedy target: after the path to node i it emits continuation[depth(i)]
+            choice = torch.tensor([continuation[int(x)] if x < len(continuation) else -1 for x in tree.depths])
+            assert accept(tree, choice).accept_length == a, (n, d)
+
+
+def noisy_copy(model, scale, seed):
+    torch.manual_seed(seed)
+    copy = tiny_model("llama", seed=1)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return copy
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 2), (4, 2, 1), (10, 2, 3)])
+def test_replay_predicts_the_engine_step_by_step(shape):
+    """Greedy replay is exact: its walk gives the accept length of every step the engine takes."""
+    n, d, k = shape
+    target = tiny_model("llama", seed=1)
+    model = EaFsdModel(target, None, LMDrafter(noisy_copy(target, 0.003, seed=5), 1000), n, d, k)
+    prompt = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(3))
+    out = model.generate(prompt[None], max_new_tokens=40, eos_token_id=[], return_dict=True)
+    continuation = out.sequences[0, 12:]
+    rows, _ = tune.replay(model, prompt, continuation, (k,), d, (n,))
+    walk, j = [], 0
+    while j < len(rows):
+        walk.append(rows[j][(n, d, k)])
+        j += walk[-1] + 1
+    assert 0 < sum(walk) and walk == out.accept_lengths[: len(walk)]
+
+
+# ----------------------------------------------------------------------------- never slower than plain
+def test_speed_guard_backs_off_and_retries():
+    guard = SpeedGuard(plain_rate=10.0, window=4, backoff=8)
+    for _ in range(4):
+        assert guard.speculate()
+        guard.record(True, tokens=1, seconds=0.2)  # 5 tok/s < 10: speculation loses
+    assert not guard.speculate()
+    for _ in range(8):
+        guard.record(False, tokens=1, seconds=0.1)
+    assert guard.speculate() and guard.backoff == 16  # re-tried, with a longer backoff next time
+    for _ in range(4):
+        guard.record(True, tokens=3, seconds=0.2)  # 15 tok/s: keeps speculating
+    assert guard.speculate()
+    assert SpeedGuard(None).speculate()  # no plain rate: no guard
+
+
+class WordTokenizer:
+    """Enough of a tokenizer for the tuner's calibration prompts on a tiny model."""
+    chat_template = None
+
+    def __call__(self, text, return_tensors="pt"):
+        ids = [sum(map(ord, w)) % 1000 for w in text.split()]
+        return {"input_ids": torch.tensor([ids])}
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(1000)}
+
+    def __len__(self):
+        return 1000
+
+
+def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path))
+    target = tiny_model("llama", seed=1)
+    hopeless = tiny_model("llama", seed=9, num_hidden_layers=6)  # random, and costlier than the target
+    model = EaFsdModel(target, WordTokenizer(), LMDrafter(hopeless, 1000), 8, 2, 2)
+    settings = tune.TuneSettings(prompts=2, new_tokens=16, top_ks=(1, 2), max_depth=2, sizes=(2, 3, 4, 6, 8),
+                                 rounds=2)
+    tuning = tune.autotune(model, "tiny-target", "tiny-hopeless", auto=["total_token", "depth", "top_k"],
+                           fixed={}, progress=False, settings=settings)
+    assert not tuning.speculate and tuning.predicted_speedup < 1
+    assert list(tmp_path.glob("tune/*.json"))  # cached as readable JSON
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 30))
+    assert out.fell_back and out.plain_steps == out.verify_steps
+
+
+# ----------------------------------------------------------------------------- dtype "auto"
+def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(tune, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU
+    assert not tune.native_bf16()
+    assert tune.resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(tune, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(tune, "bf16_measures_faster", lambda: True)
+    assert tune.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(tune, "bf16_measures_faster", lambda: False)  # native but slower when measured
+    assert tune.resolve_dtype("auto") == torch.float32
+    assert tune.resolve_dtype(torch.float16) == torch.float16
+
+
+# ----------------------------------------------------------------------------- reduced draft vocabulary
+def test_reduced_draft_vocab_stays_lossless_and_drafts_inside_it():
+    target = tiny_model("llama", seed=1)
+    drafter = LMDrafter(noisy_copy(target, 0.003, seed=5), 1000)
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(2))
+    greedy = hf_greedy(target, ids, 30)
+    allowed = torch.sort(torch.unique(torch.cat([greedy[0, :20], torch.arange(0, 1000, 7)]))).values
+    drafter.draft_head.set_draft_vocab(allowed)
+    model = EaFsdModel(target, None, drafter, 10, 3, 3)
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, greedy)
+    assert out.tau > 1.2  # drafts inside the vocabulary still get accepted
+    drafter.reset(64)
+    logits, _ = drafter.prefill(ids[0], greedy[0, 10])
+    assert logits.shape == (allowed.numel(),)
+    pool = grow_pool(drafter.forward_level, logits, None, 2, 3, drafter.draft_vocab)
+    assert torch.isin(pool.tokens, allowed).all()
+
+
+def test_divergences_with_q_zero_outside_the_draft_vocab():
+    """q is 0 outside the draft vocabulary: KL(q||p), JSD and TV stay finite, KL(p||q) is +inf (never fuzzy)."""
+    gen = torch.Generator().manual_seed(0)
+    draft_vocab = torch.arange(0, 50, 2)
+    root = torch.tensor(3)
+    pool = DraftPool(torch.tensor([4, 6]), torch.tensor([-0.1, -0.5]), torch.tensor([0, 0]), torch.tensor([1, 1]),
+                     torch.tensor([0, -1, -1]), torch.randn(1, draft_vocab.numel(), generator=gen), draft_vocab)
+    tree = select_tree(root, pool, 3, 1)
+    target_logits = torch.randn(3, 50, generator=gen)
+    full = tree.draft_logprobs_over(50)
+    assert torch.isinf(full[0, 1::2]).all() and torch.isfinite(full[0, ::2]).all()
+    for name, finite in (("kl_qp", True), ("jsd", True), ("tv", True), ("kl_pq", False)):
+        d = node_divergences(tree, target_logits, FsdConfig(1.0, name), 50)
+        assert torch.isfinite(d[0]) == finite and torch.isnan(d[1:]).all(), name
+
+
+def test_frequency_tables_order_and_select():
+    counts = torch.tensor([5, 0, 9, 5, 1])
+    order = vocab.order_from_counts(counts)
+    assert order.tolist() == [2, 0, 3, 4, 1]  # by count, ties by id
+    assert vocab.draft_vocab(order, 3).tolist() == [0, 2, 3]
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        vocab.draft_vocab(order, 9)
+    assert vocab.candidate_sizes(49152, cheap_drafter=True) == [12288, 6144]
+    assert vocab.candidate_sizes(151936, cheap_drafter=False) == [37888]
