@@ -77,31 +77,43 @@ class PhaseClock:
 
 
 class SpeedGuard:
-    """Never slower than plain decoding. Speculation's rate over the last `window` speculative steps is compared
-    with the plain rate (the cost model's, refined by any plain steps of this run); when it is lower, the next
-    `backoff` tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses).
-    plain_rate None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss)."""
+    """Never slower than plain decoding. Each step's target forward is timed, and the cost profile's t_verify(n)
+    and t_plain turn that into what plain decoding would cost right now, whatever else loads the machine:
+        plain_equivalent(step) = tokens * t_plain * (measured verify time / t_verify(n)).
+    When the last `window` speculative steps took `margin` longer than their plain equivalent, the next `backoff`
+    tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses). The
+    window and margin keep a few unlucky steps of a speculation that pays on average from switching it off.
+    plain_ms None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss)."""
 
-    def __init__(self, plain_rate: float | None, window: int = 8, backoff: int = 32, start_plain: bool = False):
-        self.plain_rate, self.window, self.backoff = plain_rate, window, backoff
-        self.recent: list[tuple[int, float]] = []
-        self.plain_left = backoff if start_plain and plain_rate is not None else 0
+    def __init__(self, plain_ms: float | None = None, verify_ms: dict[int, float] | None = None, window: int = 16,
+                 backoff: int = 32, start_plain: bool = False, margin: float = 0.05):
+        self.plain_ms, self.verify_ms = plain_ms, verify_ms or {}
+        self.window, self.backoff, self.margin = window, backoff, margin
+        self.recent: list[tuple[float, float]] = []  # (seconds, plain-equivalent seconds) per speculative step
+        self.plain_left = backoff if start_plain and plain_ms is not None else 0
 
     def speculate(self) -> bool:
         return self.plain_left <= 0
 
-    def record(self, speculative: bool, tokens: int, seconds: float) -> None:
-        if self.plain_rate is None:
+    def _slowdown(self, verify_seconds: float, tree_size: int) -> float:
+        """Measured / profiled verification time: how much slower the machine runs now than when tuned."""
+        if not self.verify_ms:
+            return 1.0
+        n = min(self.verify_ms, key=lambda m: (abs(m - tree_size), m))
+        return 1000 * verify_seconds / self.verify_ms[n] * (n / tree_size if n > tree_size else 1.0)
+
+    def record(self, speculative: bool, tokens: int, seconds: float, verify_seconds: float = 0.0,
+               tree_size: int = 1) -> None:
+        if self.plain_ms is None:
             return
         if not speculative:
             self.plain_left -= tokens
-            self.plain_rate = 0.8 * self.plain_rate + 0.2 * tokens / max(seconds, 1e-9)
             return
-        self.recent = (self.recent + [(tokens, seconds)])[-self.window:]
-        if len(self.recent) == self.window:
-            rate = sum(t for t, _ in self.recent) / max(sum(s for _, s in self.recent), 1e-9)
-            if rate < self.plain_rate:
-                self.plain_left, self.backoff, self.recent = self.backoff, 2 * self.backoff, []
+        plain_equivalent = tokens * self.plain_ms / 1000 * self._slowdown(verify_seconds, tree_size)
+        self.recent = (self.recent + [(seconds, plain_equivalent)])[-self.window:]
+        if (len(self.recent) == self.window
+                and sum(s for s, _ in self.recent) > (1 + self.margin) * sum(p for _, p in self.recent)):
+            self.plain_left, self.backoff, self.recent = self.backoff, 2 * self.backoff, []
 
 
 class EaFsdModel(torch.nn.Module):
@@ -146,12 +158,15 @@ class EaFsdModel(torch.nn.Module):
                                      for value, default in ((total_token, 60), (depth, 5), (top_k, 10)))
         auto = [name for name, v in (("total_token", total_token), ("depth", depth), ("top_k", top_k)) if v == "auto"]
         cls._check_tree_args(*(1 if v == "auto" else v for v in (total_token, depth, top_k)))  # fail before loading
-        dtype = resolve_dtype(dtype, device_map)
+        path = presets.resolve_model(base_model)
+        if dtype == "auto":
+            from transformers import AutoConfig
+
+            dtype = resolve_dtype(dtype, device_map, AutoConfig.from_pretrained(path))
         if ea_model_path is None and draft_model is None:  # the preset's own drafter: a shipped head, else an LM
             ea_model_path = presets.shipped_head(base_model)
             if ea_model_path is None:
                 draft_model = presets.default_drafter(base_model)
-        path = presets.resolve_model(base_model)
         load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **kwargs)
         target = AutoModelForCausalLM.from_pretrained(path, **load).eval()
         target.config.eagle_fsd_attention = attention
@@ -299,10 +314,15 @@ class EaFsdModel(torch.nn.Module):
             clock.lap("draft")
             committed = cache.get_seq_length()
             logits, hidden = self._verify(tree, cache)
+            verify_start = clock.last
             clock.lap("verify")
+            verify_seconds = clock.last - verify_start
             step = self._accept(tree, logits, processor, fsd)
             clock.lap("accept")
-            cache.keep(committed, step.path)
+            if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
+                cache.crop(committed + step.accept_length + 1)
+            else:
+                cache.keep(committed, step.path)
             clock.lap("cache")
             out.accept_lengths.append(step.accept_length)
             out.fuzzy_accepts.append(step.fuzzy)
@@ -319,7 +339,7 @@ class EaFsdModel(torch.nn.Module):
                     behind.append((new, hidden[step.path]))
                 clock.lap("draft")
             if guard is not None:
-                guard.record(speculate, len(step.tokens), clock.last - step_start)
+                guard.record(speculate, len(step.tokens), clock.last - step_start, verify_seconds, tree.size)
         out.phase_seconds = clock.seconds
 
         if streamer is not None:
@@ -335,9 +355,10 @@ class EaFsdModel(torch.nn.Module):
         """The never-slower-than-plain guard: on with tuned settings (it needs the measured plain rate)."""
         if self.tuning is None:
             return SpeedGuard(None)
-        if not self.tuning.speculate:  # predicted to lose: plain first, speculation re-tried after 128 tokens
-            return SpeedGuard(self.tuning.plain_tokens_per_s, backoff=128, start_plain=True)
-        return SpeedGuard(self.tuning.plain_tokens_per_s)
+        t = self.tuning
+        if not t.speculate:  # predicted to lose: plain first, speculation re-tried after 128 tokens
+            return SpeedGuard(t.plain_ms, t.verify_ms, backoff=128, start_plain=True)
+        return SpeedGuard(t.plain_ms, t.verify_ms)
 
     def _verify(self, tree, cache):
         """All tree nodes in one target forward, node i at position committed + depth(i): (logits, hidden)."""
@@ -348,7 +369,7 @@ class EaFsdModel(torch.nn.Module):
 
     def _accept(self, tree, logits, processor, fsd: FsdConfig | None):
         target_choice = choose_tokens(logits, processor)
-        if fsd is None or not fsd.active:
+        if fsd is None or not fsd.active or tree.size == 1:
             return accept(tree, target_choice)
         divergences = node_divergences(tree, logits, fsd, self.vocab_size, processor)
         choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)

@@ -107,14 +107,16 @@ class Tuning:
 
     shape: tuple[int, int, int, int]      # total_token, depth, top_k, draft vocabulary size (0: full)
     predicted_speedup: float
-    plain_tokens_per_s: float
+    plain_ms: float                        # the profile's t_plain and t_verify(n): the speed guard's yardstick
+    verify_ms: dict[int, float]
     speculate: bool
     path: str = ""
 
 
 def tuning_from(profile: CostProfile, fixed: dict, path: str = "") -> Tuning:
     shape, speedup = choose_shape(profile, **fixed)
-    return Tuning(tuple(shape), speedup, 1000.0 / profile.plain_ms, speculate=speedup > 1.0, path=path)
+    return Tuning(tuple(shape), speedup, profile.plain_ms, dict(profile.verify_ms), speculate=speedup > 1.0,
+                  path=path)
 
 
 # ---------------------------------------------------------------- replay: E[a + 1] for every shape
@@ -506,27 +508,33 @@ def native_bf16(flags: set[str] | None = None) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def bf16_measures_faster(rows: int = 8, hidden: int = 1536) -> bool:
-    """A verification-shaped GEMM (rows x hidden @ hidden x 4 hidden) in bf16 against fp32, on this CPU."""
-    w32 = torch.randn(4 * hidden, hidden)
-    x32 = torch.randn(rows, hidden)
-    w16, x16 = w32.bfloat16(), x32.bfloat16()
-    torch.nn.functional.linear(x16, w16)
-    torch.nn.functional.linear(x32, w32)
-    timed = _timed_rounds({"bf16": lambda: torch.nn.functional.linear(x16, w16),
-                           "fp32": lambda: torch.nn.functional.linear(x32, w32)}, rounds=7)
-    return timed["bf16"] < timed["fp32"]
+def bf16_measures_faster(hidden: int = 1536, intermediate: int = 8960) -> bool:
+    """The model's MLP up-projection (hidden -> intermediate) at 1 row (plain decoding) and 8 rows (a tree), bf16
+    against fp32 on this CPU: bf16 only if it is faster at both."""
+    w32 = torch.randn(intermediate, hidden)
+    w16 = w32.bfloat16()
+    for rows in (1, 8):
+        x32 = torch.randn(rows, hidden)
+        x16 = x32.bfloat16()
+        timed = _timed_rounds({"bf16": lambda: torch.nn.functional.linear(x16, w16),
+                               "fp32": lambda: torch.nn.functional.linear(x32, w32)}, rounds=9)
+        if timed["bf16"] >= timed["fp32"]:
+            return False
+    return True
 
 
-def resolve_dtype(dtype, device_map=None):
+def resolve_dtype(dtype, device_map=None, config=None):
     """dtype "auto": CUDA -> bf16 (fp16 without bf16 support); CPU -> bf16 only with native bf16 matmul that
-    also measures faster on a verification-shaped GEMM, else fp32. Anything else is returned unchanged."""
+    also measures faster on the model's own MLP shape (`config`), else fp32. Anything else is returned unchanged."""
     if dtype != "auto":
         return dtype
     on_cuda = torch.cuda.is_available() and device_map is not None and "cpu" not in str(device_map)
     if on_cuda:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if native_bf16() and bf16_measures_faster() else torch.float32
+    if not native_bf16():
+        return torch.float32
+    shape = () if config is None else (config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))
+    return torch.bfloat16 if bf16_measures_faster(*shape) else torch.float32
 
 
 # ---------------------------------------------------------------- CLI: eagle-fsd tune

@@ -108,18 +108,30 @@ def test_replay_predicts_the_engine_step_by_step(shape):
 
 # ----------------------------------------------------------------------------- never slower than plain
 def test_speed_guard_backs_off_and_retries():
-    guard = SpeedGuard(plain_rate=10.0, window=4, backoff=8)
+    # profile: plain 100 ms/token, verifying 4 tokens 150 ms
+    guard = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 150.0}, window=4, backoff=8)
     for _ in range(4):
         assert guard.speculate()
-        guard.record(True, tokens=1, seconds=0.2)  # 5 tok/s < 10: speculation loses
+        guard.record(True, tokens=2, seconds=0.25, verify_seconds=0.15, tree_size=4)  # 8 tok/s < plain's 10
     assert not guard.speculate()
     for _ in range(8):
         guard.record(False, tokens=1, seconds=0.1)
     assert guard.speculate() and guard.backoff == 16  # re-tried, with a longer backoff next time
     for _ in range(4):
-        guard.record(True, tokens=3, seconds=0.2)  # 15 tok/s: keeps speculating
+        guard.record(True, tokens=3, seconds=0.2, verify_seconds=0.15, tree_size=4)  # 15 tok/s: keeps going
     assert guard.speculate()
-    assert SpeedGuard(None).speculate()  # no plain rate: no guard
+    assert SpeedGuard(None).speculate()  # no profile: no guard
+
+
+def test_speed_guard_judges_by_the_machine_speed_now():
+    """A machine running 2x slower than when tuned slows plain decoding too: the same steps still pay."""
+    guard = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 150.0}, window=4)
+    for _ in range(4):  # 2 tokens in 0.4 s = 5 tok/s, but verification took 2x its profiled time
+        guard.record(True, tokens=2, seconds=0.4, verify_seconds=0.3, tree_size=4)
+    assert guard.speculate()
+    for _ in range(4):  # at the profiled speed the same steps lose
+        guard.record(True, tokens=2, seconds=0.4, verify_seconds=0.15, tree_size=4)
+    assert not guard.speculate()
 
 
 class WordTokenizer:
@@ -160,9 +172,9 @@ def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
     assert not tune.native_bf16()
     assert tune.resolve_dtype("auto") == torch.float32
     monkeypatch.setattr(tune, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    monkeypatch.setattr(tune, "bf16_measures_faster", lambda: True)
+    monkeypatch.setattr(tune, "bf16_measures_faster", lambda *shape: True)
     assert tune.resolve_dtype("auto") == torch.bfloat16
-    monkeypatch.setattr(tune, "bf16_measures_faster", lambda: False)  # native but slower when measured
+    monkeypatch.setattr(tune, "bf16_measures_faster", lambda *shape: False)  # native but slower when measured
     assert tune.resolve_dtype("auto") == torch.float32
     assert tune.resolve_dtype(torch.float16) == torch.float16
 

@@ -45,6 +45,7 @@ class Step:
     fuzzy: int                # accepted draft tokens the lossless rule would have rejected
     divergences: list[float]  # D at each node on the path that has children (NaN where not computed)
     fuzzy_mask: list[bool]    # per emitted token: accepted only by the FSD rule (next_token never is)
+    path_is_prefix: bool = False  # path == 0..accept_length: the cache already holds it in place
 
 
 def top_child(tree: DraftTree) -> torch.Tensor:
@@ -83,6 +84,9 @@ def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None =
     target_choice: the unrelaxed choices, to count fuzzy accepts (defaults to `choice`: none are fuzzy).
     One host sync per call: everything the caller needs on the host travels in one transfer.
     """
+    if tree.size == 1:  # a root alone (plain decoding): its choice is the next token
+        return Step(path=tree.depths.new_zeros(1), next_token=choice[0], accept_length=0, tokens=[int(choice[0])],
+                    fuzzy=0, divergences=[float("nan")], fuzzy_mask=[False], path_is_prefix=True)
     parents = tree.parents.clamp(min=0)
     matches_parent = tree.tokens == choice[parents]
     if blocked is not None:
@@ -103,13 +107,15 @@ def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None =
     else:
         path_div = torch.where(on_path & (top_child(tree)[node] >= 0), divergences[node].float(), float("nan"))
     host = torch.cat([tree.depths[deepest].reshape(1).double(), tree.tokens[node].double(),
-                      choice[deepest].reshape(1).double(), is_fuzzy.double(), path_div.double()]).tolist()
+                      choice[deepest].reshape(1).double(), is_fuzzy.double(), path_div.double(),
+                      deepest.reshape(1).double()]).tolist()
     accept_length = int(host[0])
     tokens = [int(t) for t in host[2: 1 + accept_length + 1]] + [int(host[1 + width])]
     fuzzy_mask = [bool(f) for f in host[2 + width + 1: 2 + width + accept_length + 1]] + [False]
     path_divs = host[2 + 2 * width: 2 + 2 * width + accept_length + 1]
     return Step(path=path[: accept_length + 1], next_token=choice[deepest], accept_length=accept_length,
-                tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=path_divs, fuzzy_mask=fuzzy_mask)
+                tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=path_divs, fuzzy_mask=fuzzy_mask,
+                path_is_prefix=int(host[-1]) == accept_length)  # ascending node ids 0..a end at a only if 0..a
 
 
 def acceptance_by_depth(accept_lengths: list[int]) -> list[float]:
