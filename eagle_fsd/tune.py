@@ -37,7 +37,7 @@ from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import causal_mask, decoder_forward
 from eagle_fsd.tree.dynamic import grow_pool
 
-TUNE_VERSION = 1
+TUNE_VERSION = 2
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
 TOP_KS = (1, 2, 4, 8)
 MAX_DEPTH = 6
@@ -311,8 +311,8 @@ class TuneSettings:
     None: chosen from the drafter's cost); vocabs None: the full vocabulary plus the reduced sizes of
     vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats."""
 
-    prompts: int = 4
-    new_tokens: int = 40
+    prompts: int = 6
+    new_tokens: int = 64
     top_ks: tuple[int, ...] | None = None
     max_depth: int = MAX_DEPTH
     sizes: tuple[int, ...] = SIZES
@@ -347,16 +347,19 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         # the target's own greedy continuations (plain decoding through the loop: also the measured t_plain)
         plain = [first] + [model.naive_generate(x[None], max_new_tokens=settings.new_tokens, return_dict=True)
                            for x in ids[1:]]
-        plain_ms = 1000 * sum(sum(o.phase_seconds.values()) for o in plain) / sum(o.verify_steps for o in plain)
+        # t_plain = t_verify(1), timed below with the other sizes, + the loop's own per-token work measured here
+        steps = sum(o.verify_steps for o in plain)
+        plain_loop_ms = 1000 * sum(sum(o.phase_seconds.values()) - o.phase_seconds["verify"] for o in plain) / steps
         order = vocab_tables.frequency_order(model.tokenizer)
         if settings.vocabs is not None:
             reduced = [v for v in settings.vocabs if v]
         else:
-            reduced = vocab_tables.candidate_sizes(target.config.vocab_size, level1 < 0.2 * plain_ms) if order is not None else []
+            reduced = vocab_tables.candidate_sizes(target.config.vocab_size, level1 < 0.2 * first_ms) if order is not None else []
         vocabs = {0: None, **{v: vocab_tables.draft_vocab(order, v).to(device) for v in reduced}}
         biggest_pool = max(k + settings.max_depth * k * k for k in top_ks) + 1
-        sizes = tuple(sorted({n for n in settings.sizes if n <= biggest_pool}))
+        sizes = tuple(sorted({1} | {n for n in settings.sizes if n <= biggest_pool}))
         verify_ms, level_ms, extend_ms = measure_costs(model, context, sizes, top_ks, vocabs, settings.rounds)
+        plain_ms = verify_ms[1] + plain_loop_ms
         rows, ranks, continuations = [], [], []
         with tqdm(total=len(ids) * per_prompt, desc="eagle-fsd tune: acceptance replay", disable=not progress,
                   file=sys.stderr) as bar:
@@ -415,8 +418,12 @@ def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_toke
     finally:
         model.set_tree(*saved)
         model.drafter.draft_head.set_draft_vocab(None)
-    measured = statistics.median(1000 * sum(o.phase_seconds.values()) / o.verify_steps for o in runs)
-    return max(0.0, measured - profile.step_ms(shape))
+    # the loop's time outside the target forward, less the modelled draft forwards (t_verify is timed apart)
+    n, d, k, v = shape
+    drafting = d * profile.level_ms[(k, v)] + profile.extend_ms[v]
+    measured = statistics.median(1000 * (sum(o.phase_seconds.values()) - o.phase_seconds["verify"]) / o.verify_steps
+                                 for o in runs)
+    return max(0.0, measured - drafting)
 
 
 # ---------------------------------------------------------------- cache and the engine hook
