@@ -182,8 +182,9 @@ def _timed_rounds(fns: dict, rounds: int, before=None) -> dict:
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def calibration_prompts(tokenizer, count: int) -> list[torch.Tensor]:
-    texts = json.loads(CALIBRATION_FILE.read_text())["prompts"][:count]
+def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]:
+    """The first `count` prompts (the shipped calibration prompts unless `texts`), through the chat template."""
+    texts = list(texts or json.loads(CALIBRATION_FILE.read_text())["prompts"])[:count]
     if getattr(tokenizer, "chat_template", None):
         return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                               return_tensors="pt", return_dict=True)["input_ids"] for t in texts]
@@ -319,6 +320,7 @@ class TuneSettings:
     vocabs: tuple[int, ...] | None = None
     rounds: int = 5
     replay_seconds: float = 45.0
+    prompt_texts: tuple[str, ...] | None = None  # None: the shipped calibration prompts
 
 
 def measure(model, settings: TuneSettings | None = None, progress: bool = True) -> CostProfile:
@@ -330,7 +332,7 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
     settings = settings or TuneSettings()
     target, drafter = model.base_model, model.drafter
     device = target.device
-    ids = [x[0].to(device) for x in calibration_prompts(model.tokenizer, settings.prompts)]
+    ids = [x[0].to(device) for x in calibration_prompts(model.tokenizer, settings.prompts, settings.prompt_texts)]
     with torch.no_grad():
         first = model.naive_generate(ids[0][None], max_new_tokens=settings.new_tokens, return_dict=True)
         context = first.sequences[0]
@@ -427,12 +429,15 @@ def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_toke
 
 
 # ---------------------------------------------------------------- cache and the engine hook
-def cache_key(model, base_model, drafter_name) -> dict:
+def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
     target = model.base_model
     drafter_id = drafter_name if isinstance(drafter_name, str) else type(model.drafter).__name__
-    return {"model": str(base_model), "drafter": str(drafter_id), "device": device_name(target.device),
-            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-            "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
+    key = {"model": str(base_model), "drafter": str(drafter_id), "device": device_name(target.device),
+           "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+           "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
+    if settings is not None and settings != TuneSettings():
+        key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+    return key
 
 
 def cache_path(key: dict) -> Path:
@@ -445,7 +450,7 @@ def cache_path(key: dict) -> Path:
 
 def load_or_measure(model, base_model, drafter_name, progress: bool = True, refresh: bool = False,
                     settings: TuneSettings | None = None) -> tuple[CostProfile, Path]:
-    key = cache_key(model, base_model, drafter_name)
+    key = cache_key(model, base_model, drafter_name, settings)
     path = cache_path(key)
     if path.is_file() and not refresh:
         try:
@@ -516,23 +521,25 @@ def native_bf16(flags: set[str] | None = None) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def bf16_measures_faster(hidden: int = 1536, intermediate: int = 8960) -> bool:
-    """The model's MLP up-projection (hidden -> intermediate) at 1 row (plain decoding) and 8 rows (a tree), bf16
-    against fp32 on this CPU: bf16 only if it is faster at both."""
+    """The model's MLP up-projection (hidden -> intermediate) over 1, 4 and 8 rows (plain steps and small trees),
+    bf16 against fp32 on this CPU, timed round-robin: bf16 when the three together take less time."""
     w32 = torch.randn(intermediate, hidden)
     w16 = w32.bfloat16()
-    for rows in (1, 8):
-        x32 = torch.randn(rows, hidden)
+    inputs = {rows: torch.randn(rows, hidden) for rows in (1, 4, 8)}
+    fns = {}
+    for rows, x32 in inputs.items():
         x16 = x32.bfloat16()
-        timed = _timed_rounds({"bf16": lambda: torch.nn.functional.linear(x16, w16),
-                               "fp32": lambda: torch.nn.functional.linear(x32, w32)}, rounds=9)
-        if timed["bf16"] >= timed["fp32"]:
-            return False
-    return True
+        fns[("bf16", rows)] = lambda x=x16: torch.nn.functional.linear(x, w16)
+        fns[("fp32", rows)] = lambda x=x32: torch.nn.functional.linear(x, w32)
+    timed = _timed_rounds(fns, rounds=9)
+    total = {dt: sum(t for (name, _), t in timed.items() if name == dt) for dt in ("bf16", "fp32")}
+    return total["bf16"] < total["fp32"]
 
 
 def resolve_dtype(dtype, device_map=None, config=None):
     """dtype "auto": CUDA -> bf16 (fp16 without bf16 support); CPU -> bf16 only with native bf16 matmul that
-    also measures faster on the model's own MLP shape (`config`), else fp32. Anything else is returned unchanged."""
+    also measures faster on the model's own MLP shape (`config`; 1, 4 and 8 rows together), else fp32. Anything
+    else is returned unchanged."""
     if dtype != "auto":
         return dtype
     on_cuda = torch.cuda.is_available() and device_map is not None and "cpu" not in str(device_map)
@@ -560,15 +567,29 @@ def main(argv=None) -> int:
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--top", type=int, default=8, help="print the N best shapes")
     p.add_argument("--plot", default=None, help="write the cost curves (t_verify(n) / t_verify(1)) to this PNG")
+    p.add_argument("--mtbench", type=int, default=0, metavar="N",
+                   help="analysis: measure acceptance on the first turns of the first N MT-Bench questions instead "
+                        "of the shipped calibration prompts (what that evaluation set allows; cached apart)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
-                                       dtype=dtype)
+                                       dtype=dtype, total_token=1, depth=1, top_k=1)  # the tree is measured below
     if model.drafter is None:
         raise ValueError(f"{args.model!r} has no default drafter: pass --drafter or --ea-model-path")
-    profile, path = load_or_measure(model, args.model, args.ea_model_path or args.drafter, refresh=args.refresh)
+    settings = None
+    if args.mtbench:
+        from eagle_fsd.eval.data import load_questions
+
+        texts = tuple(q["turns"][0] for q in load_questions()[: args.mtbench])
+        settings = TuneSettings(prompts=len(texts), prompt_texts=texts)
+    drafter_name = args.ea_model_path or args.drafter
+    if drafter_name is None:  # the preset's default drafter, named as from_pretrained names it
+        from eagle_fsd import presets
+
+        drafter_name = presets.shipped_head(args.model) or presets.default_drafter(args.model)
+    profile, path = load_or_measure(model, args.model, drafter_name, refresh=args.refresh, settings=settings)
     print(f"cost profile: {path}")
     print(format_profile(profile, args.top))
     if args.plot:
