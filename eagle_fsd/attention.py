@@ -8,8 +8,22 @@ last N columns carry the tree mask (ancestor-or-self; a lower triangle for a cau
 With "auto", the kernel serves forwards on top of a cached prefix (tree verification, draft levels, catch-up) and
 SDPA serves prompt prefill (no prefix: SDPA's causal kernels are faster there). The backend is chosen per model
 through `config.eagle_fsd_attention` ("auto", "sdpa" or "triton").
+
+Sliding-window layers. transformers passes an explicit 4-D mask through unchanged, so a model's sliding window is
+not in the engine's mask. While `eagle_fsd.hf.decoder_forward` runs a forward it publishes the positions of the
+forward's queries (N,) and keys (L,) (`token_positions`); a layer with window w then cuts the mask to
+    query at position p sees key at position k  iff  mask[p, k] and p - k < w,
+transformers' convention (masking_utils.sliding_window_overlay: kv_idx > q_idx - w). A layer's window is the
+`sliding_window` argument its model passes to the attention function (None on full layers) or, for models that do
+not pass it, the one its config implies (`layer_windows`). Sliding layers always run on SDPA: the Triton kernel
+treats the whole prefix as visible, so "auto" and "triton" fall back to SDPA on them (full layers keep the kernel).
+Outside decoder_forward (e.g. transformers' own generate) the mask transformers built already holds the window and
+is used as given.
 """
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -18,6 +32,8 @@ from transformers.masking_utils import sdpa_mask
 
 ATTENTION_NAME = "eagle_fsd"
 BACKENDS = ("auto", "sdpa", "triton")
+FULL, SLIDING = "full_attention", "sliding_attention"
+SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
 
 
 def check_backend(backend: str) -> None:
@@ -25,6 +41,103 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"attention={backend!r} is not one of {BACKENDS}")
 
 
+# ---------------------------------------------------------------- which layers slide, and by how much
+def config_window(config, layer_idx: int) -> int | None:
+    """The sliding window of layer `layer_idx` as the config describes it, None for full attention: with
+    `layer_types`, config.sliding_window on "sliding_attention" layers only; without, config.sliding_window on every
+    layer (Mistral-style). A window of 0 means none (Qwen2-MoE's "off")."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return window
+    return window if types[layer_idx] == SLIDING else None
+
+
+def check_attention_support(config) -> None:
+    """Refuse (ValueError naming the layer and the reason) models whose attention the engine cannot reproduce exactly:
+    layer types other than full / sliding causal attention, chunked or bidirectional attention, a bad window.
+    Cheap enough to run at every forward (a set of layer types and a few attributes)."""
+    types = getattr(config, "layer_types", None) or ()
+    supported = set(SUPPORTED_LAYER_TYPES)
+    if not supported.issuperset(types):
+        i, kind = next((i, t) for i, t in enumerate(types) if t not in supported)
+        raise ValueError(f"layer {i} of this {config.model_type!r} model has attention type {kind!r}; eagle-fsd "
+                         f"supports only {SUPPORTED_LAYER_TYPES} (causal, optionally sliding-window), so this "
+                         "model cannot be verified losslessly: use plain transformers generate for it")
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"this {config.model_type!r} model uses chunked attention (attention_chunk_size="
+                         f"{config.attention_chunk_size}); eagle-fsd supports only full and sliding-window causal "
+                         "attention: use plain transformers generate for it")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise ValueError(f"this {config.model_type!r} model attends bidirectionally; speculative decoding needs a "
+                         "causal LM")
+    window = getattr(config, "sliding_window", None)
+    if window and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window={window!r} must be a positive int (or None for full attention)")
+    if SLIDING in types and not window:
+        raise ValueError(f"layer {types.index(SLIDING)} is 'sliding_attention' but sliding_window={window!r}: set "
+                         "config.sliding_window (and use_sliding_window=True for Qwen2) or mark the layer "
+                         "'full_attention'")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per-layer sliding windows (None = full causal attention) of a supported decoder config."""
+    check_attention_support(config)
+    types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers if types is None else len(types)
+    return [config_window(config, i) for i in range(n)]
+
+
+def module_window(module, kwargs: dict) -> int | None:
+    """The window of the layer calling the attention function: the `sliding_window` its model passes (the model's
+    own per-layer truth: Qwen2 passes None on full layers, Mistral its window on all), else the config's."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"] or None
+    layer_idx = getattr(module, "layer_idx", None)
+    return None if layer_idx is None else config_window(module.config, layer_idx)
+
+
+def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """(N, L) bool: a query at position p may see a key at position k only if p - k < window."""
+    return (query_positions[:, None] - key_positions[None, :]) < window
+
+
+# ---------------------------------------------------------------- positions of the running forward
+_active = threading.local()  # .positions: (query (N,), key (L,), {window: cut mask}) of the running forward
+
+
+@contextmanager
+def token_positions(query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """Publish the positions of the queries and keys of the forward run inside this block (decoder_forward), for
+    the sliding-window layers of that forward."""
+    outer = getattr(_active, "positions", None)
+    _active.positions = (query_positions, key_positions, {})
+    try:
+        yield
+    finally:
+        _active.positions = outer
+
+
+def windowed_mask(attention_mask: torch.Tensor | None, window: int, query_len: int, key_len: int):
+    """The mask of a layer with a sliding window: the engine's mask cut to the window (computed once per forward and
+    window), or transformers' own mask when no engine forward is running (transformers built it with the window)."""
+    positions = getattr(_active, "positions", None)
+    if positions is None:
+        return attention_mask
+    query, key, cut = positions
+    if attention_mask is None or tuple(attention_mask.shape[-2:]) != (query_len, key_len) \
+            or query.numel() != query_len or key.numel() != key_len:
+        raise RuntimeError(f"sliding-window layer got a mask of shape "
+                           f"{None if attention_mask is None else tuple(attention_mask.shape)} for {query_len} queries "
+                           f"over {key_len} keys, but the running forward published {query.numel()} query and "
+                           f"{key.numel()} key positions; run engine forwards through eagle_fsd.hf.decoder_forward")
+    if window not in cut:
+        visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        cut[window] = visible & within_window(query, key, window)
+    return cut[window]
+
+
+# ---------------------------------------------------------------- the attention function
 def _use_kernel(backend: str, query: torch.Tensor, key: torch.Tensor) -> bool:
     if backend == "auto":
         return query.device.type == "cuda" and key.shape[2] > query.shape[2]
@@ -49,6 +162,11 @@ def packed_tree_block(attention_mask: torch.Tensor | None, n: int, device) -> to
 
 
 def eagle_fsd_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    window = module_window(module, kwargs)
+    if window is not None:  # sliding layer: SDPA on the windowed mask (the kernel sees the whole prefix)
+        attention_mask = windowed_mask(attention_mask, window, query.shape[2], key.shape[2])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     backend = getattr(module.config, "eagle_fsd_attention", "auto")
     if _use_kernel(backend, query, key):
         from eagle_fsd.kernels import tree_attention

@@ -3,6 +3,10 @@
 Layout per layer: keys/values (B, H_kv, max_len, D). Slots [0, length) hold committed tokens; a verification
 forward appends the tree's N tokens at [length, length + N); `keep(start, idx)` then moves the accepted nodes'
 entries (slots start + idx) to [start, start + len(idx)) and drops the rest. Nothing is ever reallocated.
+
+Positions: committed slot i holds the token at position i, but tree entries do not (tree node j sits at position
+committed + depth(j)). Sliding-window attention needs every key's position, so TreeCache can track them
+(`track_positions`, called by eagle_fsd.hf.decoder_forward for models with sliding layers only).
 """
 from __future__ import annotations
 
@@ -72,6 +76,20 @@ class TreeCache(Cache):
     def __init__(self, num_layers: int, max_len: int):
         super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
         self.max_len = max_len
+        self.positions: torch.Tensor | None = None  # (max_len,) position of each slot's token, once tracked
+
+    def track_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
+        """Record the positions (n,) of the tokens the next forward appends and return the positions of all the keys
+        that forward attends to, (length + n,). Before the first call slot i is taken to hold position i (true of a
+        committed prefix)."""
+        start = self.get_seq_length()
+        end = start + new_positions.numel()
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} tokens > preallocated {self.max_len}")
+        if self.positions is None:
+            self.positions = torch.arange(self.max_len, device=new_positions.device)
+        self.positions[start:end] = new_positions
+        return self.positions[:end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length
@@ -83,3 +101,5 @@ class TreeCache(Cache):
     def keep(self, start: int, idx: torch.Tensor) -> None:
         for layer in self.layers:
             layer.keep(start, idx)
+        if self.positions is not None:  # the kept entries' positions move with them (indexing copies first)
+            self.positions[start:start + idx.numel()] = self.positions[start + idx]

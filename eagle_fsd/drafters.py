@@ -20,6 +20,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from eagle_fsd.attention import check_attention_support
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
@@ -176,6 +177,7 @@ class EagleDrafter:
                              "cast the head with head.cast(target.dtype)")
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
+        check_attention_support(target.config)
         self.head, self.target = head, target
         self.embed = target.get_input_embeddings()
         self.draft_head = DraftHead(target.get_output_embeddings(), target.config.vocab_size)
@@ -217,6 +219,7 @@ class LMDrafter:
     """Drafts with a small causal LM that shares the target's tokenizer (training-free)."""
 
     def __init__(self, model: nn.Module, vocab_size: int):
+        check_attention_support(model.config)
         self.model = model
         self.vocab_size = vocab_size  # the target's logit width; the draft's is cut or padded to it
         self.draft_head = DraftHead(model.get_output_embeddings(), vocab_size)

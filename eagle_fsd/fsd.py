@@ -17,6 +17,9 @@ DISTRIBUTIONS = ("raw", "processed")
 class FsdConfig:
     """threshold: T (None = FSD off, lossless). divergence: one of DIVERGENCES (natural log; jsd_bits in [0, 1]).
     mode: "reducible" (lossless rule first, T = 0 is exact) or "original" (the paper's code: D <= T accepts).
+    T = math.inf: reducible accepts the top-ranked child wherever the lossless rule rejects every child, original
+    accepts it at every node; any D counts there, +inf included (a reduced draft vocabulary, processed distributions),
+    except NaN (no divergence computed), which never accepts.
     distributions: "raw" (temperature 1, full vocabulary; the paper's setting) or "processed" (after temperature /
     top-k / top-p). top_k: the divergence over the target's top-K tokens plus one rest bucket (None = full vocab)."""
 
@@ -30,7 +33,8 @@ class FsdConfig:
         t = self.threshold
         if t is not None and (not isinstance(t, (int, float)) or math.isnan(t) or t < 0):
             raise ValueError(f"fsd_threshold={t!r} must be a number >= 0 (None turns FSD off; 0 with the reducible "
-                             "mode is lossless; math.inf accepts every top-ranked child)")
+                             "mode is lossless; math.inf accepts the top-ranked child wherever the mode allows, "
+                             "whatever D is)")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"fsd_divergence={self.divergence!r} is not one of {DIVERGENCES}")
         if self.mode not in FSD_MODES:
@@ -51,7 +55,7 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfi
 
     Both distributions are cut to the tokenizer's `vocab_size`: logit rows padded beyond it are not tokens. With a
     reduced draft vocabulary q is 0 outside it, so KL(p||q) (kl_pq) and legacy_js are +inf wherever p has mass
-    there (never a fuzzy accept); kl_qp, jsd and tv stay finite."""
+    there (no fuzzy accept at a finite T; T = inf accepts any D but NaN); kl_qp, jsd and tv stay finite."""
     draft = tree.draft_logprobs_over(target_logits.shape[-1])[tree.dist_index.clamp(min=0)]
     target, draft = align_vocab(target_logits.float(), draft, vocab_size)
     if fsd.distributions == "processed" and processor is not None:

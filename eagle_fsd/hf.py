@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from functools import lru_cache
 
 import torch
+
+from eagle_fsd.attention import check_attention_support, token_positions
 
 
 @lru_cache(maxsize=None)
@@ -28,11 +31,30 @@ def causal_mask(prefix_len: int, n: int, device) -> torch.Tensor:
     return prefix_tree_mask(prefix_len, torch.ones(n, n, dtype=torch.bool, device=device).tril())
 
 
+def key_positions(cache, positions: torch.Tensor) -> torch.Tensor:
+    """Positions of every key a forward appending tokens at `positions` (n,) attends to, (cache_len + n,): tracked by
+    a TreeCache (tree entries sit at committed + depth, not at their slot); any other cache holds slot i = position i."""
+    track = getattr(cache, "track_positions", None)
+    if track is not None:
+        return track(positions)
+    past = 0 if cache is None else cache.get_seq_length()
+    return torch.cat([torch.arange(past, device=positions.device), positions])
+
+
 def decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor):
     """Run model's decoder (no lm_head) over input_ids (n,) appended to `cache`, at the given positions (n,) and
     with an explicit (1, 1, n, cache_len + n) bool mask. Returns the final-norm hidden states (n, H): the features
-    EAGLE heads read, and what the lm_head turns into logits."""
+    EAGLE heads read, and what the lm_head turns into logits.
+
+    Sliding-window layers see the mask cut to their window (eagle_fsd.attention): for a model with any sliding layer
+    the positions of the forward's queries and keys are published while it runs. Models with an attention kind the
+    engine does not implement raise ValueError (eagle_fsd.attention.check_attention_support)."""
     decoder = model.get_decoder()
-    out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],
-                  **cache_kwargs(decoder, cache))
+    config = model.config
+    check_attention_support(config)
+    slides = bool(getattr(config, "sliding_window", None))  # no layer slides without a window (config_window)
+    scope = token_positions(positions, key_positions(cache, positions)) if slides else nullcontext()
+    with scope:
+        out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],
+                      **cache_kwargs(decoder, cache))
     return out.last_hidden_state[0]

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
-from eagle_fsd.attention import ATTENTION_NAME, check_backend
+from eagle_fsd.attention import ATTENTION_NAME, check_attention_support, check_backend
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_head
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
@@ -129,6 +129,7 @@ class EaFsdModel(torch.nn.Module):
         self.base_model = base_model
         self.tokenizer = tokenizer
         self.drafter = drafter
+        check_attention_support(base_model.config)  # sliding windows are honoured; other kinds are refused
         self.total_token, self.depth, self.top_k = total_token, depth, top_k
         self._check_tree_args(total_token, depth, top_k)
         self.tuning = None  # a tune.Tuning once the cost model chose the tree (auto settings): plain rate, guard

@@ -305,7 +305,8 @@ def parse_args(argv):
     p.add_argument("--question-file", default=None, help="FastChat question.jsonl (default: the 80 MT-Bench)")
     p.add_argument("--question-begin", type=int, default=None, help="first question index (0-based, as FastChat)")
     p.add_argument("--question-end", type=int, default=None, help="question index to stop before")
-    p.add_argument("--limit", type=int, default=None, help="answer at most N questions")
+    p.add_argument("--limit", type=int, default=None,
+                   help="the first N selected questions (the same N with --resume, which skips the answered ones)")
     p.add_argument("--answer-file", default=None,
                    help="output jsonl (default: data/mt_bench/model_answer/MODEL_ID.jsonl, FastChat's layout)")
     p.add_argument("--resume", action="store_true", help="skip questions already in the answer file")
@@ -319,17 +320,23 @@ def parse_args(argv):
     return args
 
 
-def pending_questions(args) -> tuple[list[dict], list[dict]]:
-    """(questions to answer now, answers already in the file)."""
+def selected_questions(args) -> list[dict]:
+    """The questions this run covers: --question-begin/--question-end, then the first --limit of those. The same
+    with or without --resume, so a resumed run ends where an uninterrupted one would."""
     questions = load_questions(args.question_file, args.question_begin, args.question_end)
+    return questions[: args.limit] if args.limit is not None else questions
+
+
+def pending_questions(args) -> tuple[list[dict], list[dict]]:
+    """(selected questions not answered yet, answers already in the file)."""
+    questions = selected_questions(args)
     done = read_answers(args.answer_file, repair=args.resume)
     if done and not args.resume:
         raise SystemExit(f"{args.answer_file} already holds {len(done)} answers: pass --resume to continue it, "
                          "or choose another --answer-file")
     check_resume(args.answer_file, done, run_settings(args))
     done_ids = {r["question_id"] for r in done}
-    todo = [q for q in questions if q["question_id"] not in done_ids]
-    return (todo[: args.limit] if args.limit is not None else todo), done
+    return [q for q in questions if q["question_id"] not in done_ids], done
 
 
 def warm_up(model, args, fmt: PromptFormat) -> None:

@@ -447,16 +447,42 @@ def random_head(target):
     return EagleHead(head_cfg()).eval()
 
 
+def drafting_pair(kind, target, random_head):
+    """(target, head): "random" accepts next to nothing; "noisy" is the oracle head of a bigram target with its
+    token pass-through perturbed, so it is right often but not always (accept lengths vary up to the bound)."""
+    if kind == "random":
+        return target, random_head
+    bigram, head = _bigram_target_and_oracle_head()
+    with torch.no_grad():
+        noise = torch.randn(H, H, generator=torch.Generator().manual_seed(13))
+        head.fc.weight[:, :H] += 1e6 * NOISY_HEAD_NOISE * noise
+    return bigram, head
+
+
+# Relative size of the noisy head's pass-through perturbation: at 0.02 every shape below both reaches its bound and
+# stops early (at 0.01 the 30-node tree never stops early; at 0.05 the 10-node tree never reaches its bound).
+NOISY_HEAD_NOISE = 0.02
+
+
+@pytest.mark.parametrize("kind", ["random", "noisy"])
 @pytest.mark.parametrize("total_token,depth,top_k", [(10, 4, 3), (4, 1, 3), (6, 5, 1), (30, 3, 8)])
-def test_generate_equals_target_greedy(target, prompt, target_greedy, random_head, total_token, depth, top_k):
-    model = EaFsdModel(target, None, EagleDrafter(random_head, target), total_token=total_token, depth=depth,
-                       top_k=top_k)
+def test_generate_equals_target_greedy(target, prompt, target_greedy, random_head, kind, total_token, depth, top_k):
+    target, head = drafting_pair(kind, target, random_head)
+    if kind != "random":
+        with torch.no_grad():
+            target_greedy = target.generate(prompt, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
+    model = EaFsdModel(target, None, EagleDrafter(head, target), total_token=total_token, depth=depth, top_k=top_k)
     out = model.generate(prompt, max_new_tokens=NEW, eos_token_id=[], return_dict=True)
     assert target_greedy.shape == (1, PROMPT_LEN + NEW)
     assert torch.equal(out.sequences, target_greedy)
     assert out.new_tokens == NEW
     assert out.verify_steps == len(out.accept_lengths)
-    assert all(0 <= a <= depth for a in out.accept_lengths)
+    # depth draft forwards after the root's give paths of up to depth + 1 draft tokens, and the tree holds
+    # total_token - 1 of them
+    longest = min(depth + 1, total_token - 1)
+    assert all(0 <= a <= longest for a in out.accept_lengths), out.accept_lengths
+    if kind == "noisy":  # the bound is reached, and steps also end early: the walk stops where the draft is wrong
+        assert max(out.accept_lengths) == longest and min(out.accept_lengths) < longest, out.accept_lengths
 
 
 def _bigram_target_and_oracle_head():

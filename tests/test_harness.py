@@ -135,6 +135,41 @@ def test_resume_refuses_other_settings(tmp_path, use_model):
         mtbench.main(argv + ["--resume", "--fsd-threshold", "0.5"])
 
 
+def test_limit_and_range_select_the_same_questions_with_resume(tmp_path, use_model, monkeypatch):
+    """A run killed after its first answer, then rerun with --resume, ends with the questions an uninterrupted run
+    answers: --limit / --question-begin select, --resume only skips what is done."""
+    qfile = tmp_path / "four.jsonl"
+    qfile.write_text("".join(json.dumps({"question_id": 81 + i, "category": "writing", "turns": [f"Say {word}."]})
+                             + "\n" for i, word in enumerate(["hi", "yes", "no", "ok"])))
+
+    def run(path, *extra, kill_after=None):
+        answer, calls = mtbench.answer_question, []
+
+        def answer_or_die(*args):
+            calls.append(args)
+            if len(calls) > kill_after:
+                raise KeyboardInterrupt  # Ctrl-C / kill while answering
+            return answer(*args)
+
+        if kill_after is not None:
+            monkeypatch.setattr(mtbench, "answer_question", answer_or_die)
+        try:
+            return mtbench.main(["--model", "tiny", "--question-file", str(qfile), "--max-new-token", "4",
+                                 "--model-id", "tiny-run", "--no-warmup", "--answer-file", str(path), *extra])
+        finally:
+            monkeypatch.setattr(mtbench, "answer_question", answer)
+
+    def ids(path):
+        return [json.loads(line)["question_id"] for line in path.read_text().splitlines()]
+
+    for extra, expected in ((["--limit", "3"], [81, 82, 83]), (["--question-begin", "1", "--limit", "2"], [82, 83])):
+        whole, part = tmp_path / f"whole{len(extra)}.jsonl", tmp_path / f"part{len(extra)}.jsonl"
+        assert run(whole, *extra) == 0 and ids(whole) == expected
+        assert run(part, *extra, kill_after=1) == 130 and ids(part) == expected[:1]
+        assert run(part, *extra, "--resume") == 0
+        assert ids(part) == expected, extra
+
+
 def test_torn_last_line_is_repaired_on_resume(tmp_path):
     path = tmp_path / "answers.jsonl"
     path.write_text('{"question_id": 81}\n{"question_id": 8')  # killed in the middle of the second write

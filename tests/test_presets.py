@@ -293,10 +293,14 @@ def test_marker_for_other_hash_is_not_fetched(cache, monkeypatch):
 # ---------------------------------------------------------------------------- resolve_model
 
 
-def test_resolve_model_dir_and_hub_id(cache, tmp_path):
+def test_resolve_model_dir_and_hub_id(cache, tmp_path, monkeypatch):
     d = tmp_path / "my-model"
     d.mkdir()
     assert presets.resolve_model(str(d)) == str(d)
+    # a hub id goes to transformers unchanged when the hub answers (without network: tests/test_cli_errors.py)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: True)
     assert presets.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert presets.resolve_model("no/such-dir-or-repo", fetch_missing=False) == "no/such-dir-or-repo"
 

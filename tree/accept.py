@@ -17,14 +17,17 @@ Children of one node are distinct tokens, so at most one child matches and the a
 Fuzzy rule (FSD) at a node n with children, with D_n = Div(p_n, q_n) -- one value per node, since all children of n
 share n's context and hence one target and one draft distribution:
   reducible: run the lossless rule; if no child matches and D_n < T, accept the top-ranked child instead of
-             stopping with the residual sample. T = 0 is exactly the lossless rule.
+             stopping with the residual sample. T = 0 is exactly the lossless rule. T = inf accepts the top-ranked
+             child whenever no child matches, whatever D_n is, +inf included (D < T read as "D is a number").
   original:  if D_n <= T accept the top-ranked child, whatever the target chose; else stop and emit the target's
-             sample at n (no residual; for the paper's parity).
+             sample at n (no residual; for the paper's parity). T = inf accepts the top-ranked child always.
+A NaN D_n (a node whose divergence was not computed) never accepts fuzzily, at any T.
 The top-ranked child is the one with the highest draft score (EAGLE's first sibling, argmax q_n when it survived
 pruning): FSD's premise is that when q_n is close to p_n, the draft's own best guess is an acceptable token.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +64,8 @@ def top_child(tree: DraftTree) -> torch.Tensor:
 def fuzzy_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: torch.Tensor, threshold: float,
                   mode: str = "reducible"):
     """Apply the FSD rule to the target's choices. Returns (choice, blocked): the choice to walk the tree with, and
-    (original mode) nodes whose children are all rejected. NaN divergences never accept."""
+    (original mode) nodes whose children are all rejected. NaN divergences never accept; at threshold = inf every
+    other divergence does, +inf included (reducible: when no child matches; original: always)."""
     child = top_child(tree)
     has_child = child >= 0
     top_token = tree.tokens[child.clamp(min=0)]
@@ -69,10 +73,13 @@ def fuzzy_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: tor
         parents = tree.parents[1:]
         child_matches = (tree.tokens[1:] == target_choice[parents]).long()
         matched = torch.zeros_like(child).scatter_reduce_(0, parents, child_matches, "amax").bool()
-        fuzzy = has_child & ~matched & (divergences < threshold)
+        # D < T, except that T = inf admits D = +inf too: every D but NaN. Compared in float64: a T beyond float32's
+        # range would round to inf against float32 divergences.
+        close = ~divergences.isnan() if threshold == math.inf else divergences.double() < threshold
+        fuzzy = has_child & ~matched & close
         return torch.where(fuzzy, top_token, target_choice), None
     if mode == "original":
-        take = has_child & (divergences <= threshold)
+        take = has_child & (divergences.double() <= threshold)  # +inf <= inf holds; NaN <= T never does
         return torch.where(take, top_token, target_choice), ~take
     raise ValueError(f"fsd_mode={mode!r} is not one of {FSD_MODES}")
 

@@ -1,0 +1,96 @@
+"""CLI input errors that must fail at once, in one line, before any model is loaded (no weights, no network)."""
+import time
+
+import pytest
+
+from eagle_fsd import cli, presets
+from eagle_fsd.eval import mtbench
+from eagle_fsd.model import EaFsdModel
+
+UNKNOWN = "no-such-org/no-such-model"
+
+
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """An empty Hugging Face cache and no offline flags set; tests choose how the hub behaves."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded although the arguments are invalid")
+
+    monkeypatch.setattr(mtbench, "load_model", refuse)
+    monkeypatch.setattr(EaFsdModel, "from_pretrained", refuse)
+
+
+def check_unknown_model_message(message):
+    assert "\n" not in message.strip()
+    assert repr(UNKNOWN) in message and "a hub id needs the network" in message
+    assert all(name in message for name in presets.PRESETS)
+
+
+def test_unknown_model_with_hf_hub_offline_fails_without_a_probe(no_hub, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: pytest.fail("HF_HUB_OFFLINE is set: no probe"))
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as err:
+        presets.resolve_model(UNKNOWN)
+    assert time.perf_counter() - start < 5
+    check_unknown_model_message(str(err.value))
+    assert "HF_HUB_OFFLINE" in str(err.value)
+
+
+def test_unknown_model_with_an_unreachable_hub_fails_fast(no_hub, monkeypatch):
+    """A real probe against an address that never answers (TEST-NET-1, RFC 5737): bounded by HUB_PROBE_SECONDS."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://192.0.2.1")
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as err:
+        presets.resolve_model(UNKNOWN)
+    assert time.perf_counter() - start < 5
+    check_unknown_model_message(str(err.value))
+    assert "http://192.0.2.1" in str(err.value)
+
+
+def test_hub_ids_pass_when_cached_or_reachable(no_hub, monkeypatch, tmp_path):
+    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: True)
+    assert presets.resolve_model(UNKNOWN) == UNKNOWN  # transformers takes it from here
+    # offline, but the local HF cache holds the repo's config.json: transformers loads it from there
+    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hf-cache" / "models--no-such-org--no-such-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    assert presets.resolve_model(UNKNOWN) == UNKNOWN
+    local = tmp_path / "local-model"
+    local.mkdir()
+    assert presets.resolve_model(str(local)) == str(local)  # a local folder is never checked against the hub
+
+
+def test_cli_run_with_an_unknown_model_prints_one_line(no_hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    assert cli.main(["run", "--model", UNKNOWN, "--dtype", "fp32"]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("eagle-fsd run: error: model ") and err.count("\n") == 1
+    check_unknown_model_message(err)
+
+
+@pytest.mark.parametrize("flag", ["--total-token", "--depth", "--top-k"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_cli_run_rejects_a_non_positive_tree_setting(no_model_loading, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", flag, value])
+    assert exit_.value.code == 2  # argparse's usage error
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and repr(value) in err and "positive int or 'auto'" in err
