@@ -9,20 +9,10 @@ import torch
 from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tree.accept import accept, fuzzy_choices
-from eagle_fsd.tree.dynamic import DraftTree, ancestor_table, tree_mask_from_ancestors
+from test_fsd import hand_tree  # root(0) -> 10 (top), 11, 12; 10 -> 20 (top), 21; 11 -> 30
 from tiny import tiny_model
 
 INF, NAN = math.inf, math.nan
-
-
-def hand_tree():
-    """root(0) -> children 10 (top-ranked), 11, 12; node(10) -> 20 (top), 21; node(11) -> 30."""
-    tokens = torch.tensor([0, 10, 11, 12, 20, 21, 30])
-    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2])
-    depths = torch.tensor([0, 1, 1, 1, 2, 2, 2])
-    anc = ancestor_table(parents, depths, 2)
-    return DraftTree(tokens, parents, depths, anc, tree_mask_from_ancestors(anc, depths), torch.zeros(7),
-                     torch.tensor([0, 1, 2, -1, -1, -1, -1]))
 
 
 def divergences(root, node10, node11):
