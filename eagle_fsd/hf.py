@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from eagle_fsd.attention import check_attention_support, token_positions
+from eagle_fsd.attention import token_positions
 
 
 @lru_cache(maxsize=None)
@@ -48,11 +48,10 @@ def decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch
 
     Sliding-window layers see the mask cut to their window (eagle_fsd.attention): for a model with any sliding layer
     the positions of the forward's queries and keys are published while it runs. Models with an attention kind the
-    engine does not implement raise ValueError (eagle_fsd.attention.check_attention_support)."""
+    engine does not implement are refused once, where the engine and the drafters are built
+    (eagle_fsd.attention.check_attention_support), not at every forward."""
     decoder = model.get_decoder()
-    config = model.config
-    check_attention_support(config)
-    slides = bool(getattr(config, "sliding_window", None))  # no layer slides without a window (config_window)
+    slides = bool(getattr(model.config, "sliding_window", None))  # no layer slides without a window (config_window)
     scope = token_positions(positions, key_positions(cache, positions)) if slides else nullcontext()
     with scope:
         out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -89,7 +90,7 @@ class SpeedGuard:
                  backoff: int = 32, start_plain: bool = False, margin: float = 0.05):
         self.plain_ms, self.verify_ms = plain_ms, verify_ms or {}
         self.window, self.backoff, self.margin = window, backoff, margin
-        self.recent: list[tuple[float, float]] = []  # (seconds, plain-equivalent seconds) per speculative step
+        self.recent: deque[tuple[float, float]] = deque(maxlen=window)  # (seconds, plain-equivalent seconds)
         self.plain_left = backoff if start_plain and plain_ms is not None else 0
 
     def speculate(self) -> bool:
@@ -110,10 +111,11 @@ class SpeedGuard:
             self.plain_left -= tokens
             return
         plain_equivalent = tokens * self.plain_ms / 1000 * self._slowdown(verify_seconds, tree_size)
-        self.recent = (self.recent + [(seconds, plain_equivalent)])[-self.window:]
+        self.recent.append((seconds, plain_equivalent))
         if (len(self.recent) == self.window
                 and sum(s for s, _ in self.recent) > (1 + self.margin) * sum(p for _, p in self.recent)):
-            self.plain_left, self.backoff, self.recent = self.backoff, 2 * self.backoff, []
+            self.plain_left, self.backoff = self.backoff, 2 * self.backoff
+            self.recent.clear()
 
 
 class EaFsdModel(torch.nn.Module):
