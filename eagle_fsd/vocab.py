@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from eagle_fsd.files import cache_dir
+
 PACKAGE_DIR = Path(__file__).with_name("vocab")
 
 
@@ -22,8 +24,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def _table_paths(fingerprint: str) -> list[Path]:
-    from eagle_fsd.presets import cache_dir
-
     return [PACKAGE_DIR / f"{fingerprint}.safetensors", cache_dir() / "vocab" / f"{fingerprint}.safetensors"]
 
 
@@ -54,8 +54,6 @@ def order_from_counts(counts: torch.Tensor) -> torch.Tensor:
 
 def save_order(tokenizer, order: torch.Tensor, directory: Path | None = None) -> Path:
     from safetensors.torch import save_file
-
-    from eagle_fsd.presets import cache_dir
 
     directory = directory or cache_dir() / "vocab"
     directory.mkdir(parents=True, exist_ok=True)

