@@ -1,4 +1,4 @@
-"""`eagle-fsd train-head` (eagle_fsd/train.py).
+"""`eagle-fsd train-head` (the eagle_fsd/train package).
 
 Tiny seeded random models (tests/tiny.py) except where a test says otherwise: the chat-template tests borrow the
 SmolLM2 preset's tokenizer and weights (fetched by the README's setup).
@@ -13,6 +13,7 @@ import torch
 from tiny import hf_greedy, tiny_model
 
 from eagle_fsd import presets, train
+from eagle_fsd.train import distill, features, loop
 from eagle_fsd.drafters import EagleDrafter, load_eagle_head
 from eagle_fsd.model import EaFsdModel
 
@@ -157,11 +158,11 @@ def test_train_learns_and_resumes_to_the_same_weights(target, tmp_path, monkeypa
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "head_loss", flaky)
+    monkeypatch.setattr(loop, "head_loss", flaky)
     part = train.new_head(raw, seed=0)
     with pytest.raises(KeyboardInterrupt):
         train.train(part, target, seqs[2:], seqs[:2], state_path=tmp_path / "part.pt", save_every=4, **settings)
-    monkeypatch.setattr(train, "head_loss", real)
+    monkeypatch.setattr(loop, "head_loss", real)
     assert torch.load(tmp_path / "part.pt", weights_only=False)["step"] == 12
     resumed = train.new_head(raw, seed=1)  # other init: everything must come from the checkpoint
     train.train(resumed, target, seqs[2:], seqs[:2], state_path=tmp_path / "part.pt", resume=True, **settings)
@@ -227,7 +228,7 @@ def test_feature_cache_resumes_and_recomputes_corrupt_shards(target, tmp_path, m
         computed.append(len(part))
         return real(model, part, *args)
 
-    monkeypatch.setattr(train, "target_features", counting)
+    monkeypatch.setattr(features, "target_features", counting)
     train.build_feature_cache(target, samples, tmp_path, shard_size=3, progress=False)
     assert computed == []  # a rerun reuses every valid shard
 
@@ -276,8 +277,8 @@ def test_cli_end_to_end_with_resume(tmp_path, monkeypatch):
     first = load_eagle_head(str(out), target).state_dict()
 
     # a rerun reuses the distilled replies and the shards, and --resume finds the finished training state
-    monkeypatch.setattr(train, "generate_replies", lambda *a, **k: pytest.fail("regenerated replies"))
-    monkeypatch.setattr(train, "target_features", lambda *a, **k: pytest.fail("recomputed features"))
+    monkeypatch.setattr(distill, "generate_replies", lambda *a, **k: pytest.fail("regenerated replies"))
+    monkeypatch.setattr(features, "target_features", lambda *a, **k: pytest.fail("recomputed features"))
     assert train.main(argv + ["--resume"]) == 0
     for name, value in load_eagle_head(str(out), target).state_dict().items():
         assert torch.equal(value, first[name]), name
@@ -293,3 +294,29 @@ def test_greedy_batch_matches_each_prompts_own_greedy(target):
         cut = ref.index(eos[0]) if eos[0] in ref else len(ref)
         assert reply == ref[:cut] and stopped == (cut < len(ref))
     assert got[1] == (refs[1][:4], True)
+
+
+# ----------------------------------------------------------------------------- cache names that must not change
+def test_distill_file_name_is_stable(tmp_path):
+    """Self-distilled replies are reused across runs and code versions: the file name is a pure function of the
+    data, seed, model fingerprint and generation settings (these values are the ones the first version produced)."""
+    assert train.distill_path(tmp_path, "sharegpt", 0, "0123456789abcdef", 256, 1, 512, 0.0) == \
+        tmp_path / "distill-f2fe2e0d7792.jsonl"
+    assert train.distill_path(tmp_path, "a.json,fastchat-dummy", 3, "fedcba9876543210", 64, 2, 256, 0.9).name == \
+        "distill-7091d002c15d.jsonl"
+    assert train.distill_path(tmp_path, "sharegpt", 1, "0123456789abcdef", 256, 1, 512, 0.0) != \
+        tmp_path / "distill-f2fe2e0d7792.jsonl"
+
+
+@needs_smollm2
+def test_smollm2_distill_file_name_is_stable():
+    """The name the SmolLM2 bf16 self-distillation (--data sharegpt --min-ascii 0.9) was cached under."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = presets.resolve_model(SMOLLM2, fetch_missing=False)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert train.model_fingerprint(target) == "a4f1eb4d6ce290ea"
+    name = train.distill_path(Path("."), "sharegpt", 0, train.model_fingerprint(target), 256, 1, 512, 0.9).name
+    assert name == "distill-36f71973af31.jsonl"
