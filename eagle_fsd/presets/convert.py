@@ -96,7 +96,6 @@ def convert_here(gguf: str, out_dir: str, dtype_name: str) -> None:
     """
     import gc
 
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     from eagle_fsd.dtypes import torch_dtype
@@ -124,11 +123,7 @@ def convert_here(gguf: str, out_dir: str, dtype_name: str) -> None:
     # GGUF tokenizers come without a length limit; use the model's context, as upstream does.
     tok.model_max_length = model.config.max_position_embeddings
 
-    # Reference outputs from the GGUF-loaded model and tokenizer, kept for the check below.
-    probe_ids = tok(_PROBE_TEXT, return_tensors="pt").input_ids
-    chat_text = tok.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True)
-    with torch.no_grad():
-        ref_logits = model(probe_ids).logits.float()
+    probe_ids, chat_text, ref_logits = reference_outputs(tok, model)
 
     plain = plain_copy(model)
     plain.save_pretrained(out)
@@ -139,6 +134,18 @@ def convert_here(gguf: str, out_dir: str, dtype_name: str) -> None:
 
     verify_saved(out, dtype, probe_ids, ref_logits, chat_text, im_end)
     print(f"[eagle-fsd] converted and verified in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def reference_outputs(tok, model):
+    """(probe token ids, probe chat text, probe logits) of the GGUF-loaded tokenizer and model, kept to check the
+    saved folder against."""
+    import torch
+
+    probe_ids = tok(_PROBE_TEXT, return_tensors="pt").input_ids
+    chat_text = tok.apply_chat_template(_PROBE_CHAT, tokenize=False, add_generation_prompt=True)
+    with torch.no_grad():
+        ref_logits = model(probe_ids).logits.float()
+    return probe_ids, chat_text, ref_logits
 
 
 def verify_saved(out: Path, dtype, probe_ids, ref_logits, chat_text: str, im_end: int) -> None:
