@@ -23,8 +23,8 @@ Facts, from the public code (paths in the repositories named):
 - fc: Linear(3 * target_hidden -> H, bias=False) (cnets.py, speculators core.py; sglang: config.bias, default False),
   applied only when the input is the 3H target feature (`if hidden_states.shape[-1] != inputs_embeds.shape[-1]`).
   q/k/v bias: none in SafeAILab/SpecForge, `attention_bias` in speculators/vLLM (False in every published head).
-- RoPE: the head's OWN config (rope_theta 10000 when absent: the yuhuili LLaMA-3.1 head's config has none, the
-  target's is 500000), head_dim = H / heads; positions as the target's.
+- RoPE: the head's OWN config (rope_theta 10000 when absent: eagle/traineagle3/config.json, the LLaMA-3.1 head's, has
+  none, while the target's is 500000), head_dim = H / heads; positions as the target's.
 - Vocabulary: `d2t` long (draft_vocab,): target id = draft id + d2t[draft id]; `t2d` bool (target_vocab,).
 - Weight names: SafeAILab and SGLang `midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`,
   optional `embed_tokens.weight` (SGLang also accepts a `model.` prefix); speculators `layers.0.*` for `midlayer.*`
@@ -41,8 +41,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from eagle_fsd.attention import check_attention_support
+from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import _read_head_files
-from eagle_fsd.hf import cache_kwargs
+from eagle_fsd.hf import cache_kwargs, causal_mask, prefix_tree_mask
 
 LAYOUTS = ("eagle", "sglang", "speculators")
 SGLANG_ARCH, SPECULATORS_ARCH = "LlamaForCausalLMEagle3", "Eagle3Speculator"
@@ -229,7 +231,7 @@ def canonical_state(state: dict, path: str = "<weights>") -> dict:
     return out
 
 
-def _fill_defaults(state: dict, fmt: Eagle3Format, target: nn.Module, path: str) -> None:
+def _fill_defaults(state: dict, fmt: Eagle3Format, target: nn.Module) -> None:
     """What a checkpoint may leave out: without draft_vocab_size SGLang drafts over the full vocabulary with the
     target's lm_head; without d2t the draft vocabulary is the target's (identity map); t2d follows from d2t."""
     vocab = fmt.config.vocab_size
@@ -240,7 +242,7 @@ def _fill_defaults(state: dict, fmt: Eagle3Format, target: nn.Module, path: str)
         state["d2t"] = torch.zeros(vocab, dtype=torch.long)
     if "t2d" not in state and "d2t" in state:
         ids = torch.arange(state["d2t"].numel()) + state["d2t"].long()
-        if int(ids.min()) >= 0 and int(ids.max()) < vocab:  # out-of-range ids are reported by _check_vocab
+        if int(ids.min()) >= 0 and int(ids.max()) < vocab:  # out-of-range ids are reported by _check_fits
             state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
 
 
@@ -290,7 +292,7 @@ def load_eagle3_head(path: str, target: nn.Module) -> tuple[Eagle3Head, tuple[in
     fmt = read_format(raw, path)
     indices = aux_hidden_indices(fmt, target.config.num_hidden_layers, path)
     state = canonical_state(state, path)
-    _fill_defaults(state, fmt, target, path)
+    _fill_defaults(state, fmt, target)
     _check_fits(fmt, state, target, path)
     fmt.config._attn_implementation = target.config._attn_implementation
     try:
@@ -299,3 +301,54 @@ def load_eagle3_head(path: str, target: nn.Module) -> tuple[Eagle3Head, tuple[in
         raise ValueError(f"EAGLE-3 head {path!r}: {err}") from err
     head.aux_hidden_indices = None if fmt.aux_ids is None else indices
     return head.cast(target.dtype).to(target.device).eval(), indices
+
+
+# ----------------------------------------------------------------------------- drafting (sketch)
+def aux_features(hidden_states, indices: tuple[int, ...]) -> torch.Tensor:
+    """The head's input from transformers' output_hidden_states: cat of hidden_states[i] for i in indices, (.., k*H).
+    Index N there is after the final norm, unlike the engines' capture: the engine integration must take the last
+    layer's output before the norm for it."""
+    return torch.cat([hidden_states[i] for i in indices], dim=-1)
+
+
+class Eagle3Drafter:
+    """Drafts with an EAGLE-3 head, following the drafter protocol of eagle_fsd.drafters: target_hidden is the
+    (T, k * H) concatenation of the target's hidden states at the head's aux indices; tree levels feed the draft's
+    own (H,) state. draft_vocab: the target ids of the head's draft vocabulary (None when it is the full one)."""
+
+    def __init__(self, head: Eagle3Head, target: nn.Module):
+        if head.fc.weight.dtype != target.dtype:
+            raise ValueError(f"EAGLE-3 head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; cast the "
+                             "head with head.cast(target.dtype)")
+        check_attention_support(target.config)
+        self.head, self.target = head, target
+        self.embed = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
+        ids = head.draft_to_target_ids()
+        full = ids.numel() == target.config.vocab_size and bool((ids == torch.arange(ids.numel())).all())
+        self.draft_vocab = None if full else ids
+
+    def reset(self, max_len: int):
+        self.cache = TreeCache(1, max_len)
+        self.length = 0
+
+    def _run(self, tokens, hidden, mask, positions):
+        new_hidden, logits = self.head(self.embed(tokens)[None], hidden[None], positions[None], mask, self.cache)
+        return new_hidden[0], logits[0]
+
+    def prefill(self, prompt_ids, root, target_hidden):
+        return self.extend(torch.cat([prompt_ids[1:], root.reshape(1)]), target_hidden)
+
+    def extend(self, tokens, target_hidden):
+        n = tokens.numel()
+        positions = self.length + torch.arange(n, device=tokens.device)
+        hidden, logits = self._run(tokens, target_hidden, causal_mask(self.length, n, tokens.device), positions)
+        self.length += n
+        return logits[-1], hidden[-1]
+
+    def forward_level(self, tokens, parent_state, level, level_mask):
+        positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
+        hidden, logits = self._run(tokens, parent_state, prefix_tree_mask(self.length, level_mask), positions)
+        return logits, hidden
+
+    def rollback(self):
+        self.cache.crop(self.length)

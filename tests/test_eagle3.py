@@ -1,9 +1,8 @@
 """EAGLE-3 heads (eagle_fsd.eagle3): the three checkpoint layouts, the head's forward against a float64 reference of the
 published equations written here with plain torch ops, export round trips, and the loader's errors.
 
-The target is a tiny seeded Llama with 8 layers (the default features are the inputs of layers 2, 4 and 5). The
-heads are random (hidden 64, 4 query / 2 KV heads, draft vocabulary of 100 of the target's 1000 ids). SpecForge's own
-head class is a second oracle where it is installed (`pip install --no-deps specforge==0.2.0`).
+Target: a tiny seeded 8-layer Llama (default features: the inputs of layers 2, 4, 5); heads: random, hidden 64, 4 q /
+2 KV heads, 100 draft ids of 1000. SpecForge's head is a second oracle (`pip install --no-deps specforge==0.2.0`).
 """
 from __future__ import annotations
 
@@ -41,16 +40,20 @@ def random_head(seed=0, norm_before_residual=False, hidden=H, target_hidden=None
     """A seeded random head whose norms are not all ones and whose draft vocabulary is 100 sorted target ids."""
     torch.manual_seed(seed)
     config = LlamaConfig(**{**HEAD_FIELDS, "hidden_size": hidden}, attn_implementation="eagle_fsd")
-    head = Eagle3Head(config, DV, target_hidden, norm_before_residual=norm_before_residual,
-                      own_embedding=hidden != H)
+    head = Eagle3Head(config, DV, target_hidden, norm_before_residual=norm_before_residual, own_embedding=hidden != H)
     with torch.no_grad():
         for name, param in head.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            if name.endswith("norm.weight"):  # every RMSNorm
                 param.normal_(1.0, 0.2)
         ids = torch.randperm(V)[:DV].sort().values
         head.d2t.copy_(ids - torch.arange(DV))
         head.t2d.zero_().index_fill_(0, ids, True)
     return head.eval()
+
+
+def save_dir(path, head, layout, target):
+    save_eagle3_head(head, str(path), layout, target.config)
+    return path
 
 
 def inputs(seed=0, T=6, width=3 * H, hidden=H):
@@ -117,8 +120,7 @@ def assert_matches_reference(head, state, norm_before_residual=False, hidden=H):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_layout_loads_and_matches_reference(tmp_path, target, layout):
     source = random_head()
-    save_eagle3_head(source, str(tmp_path), layout, target.config)
-    raw = json.loads((tmp_path / "config.json").read_text())
+    raw = json.loads((save_dir(tmp_path, source, layout, target) / "config.json").read_text())
     assert detect_layout(raw) == layout and is_eagle3(raw)
     head, indices = load_eagle3_head(str(tmp_path), target)
     assert indices == (2, 4, 5)
@@ -135,11 +137,6 @@ def test_export_round_trip_identical_forward(tmp_path, target, layout):
         for a, b in zip(first(embeds, features, positions, mask), second(embeds, features, positions, mask)):
             assert torch.equal(a, b)
     assert torch.equal(first.d2t, second.d2t) and torch.equal(first.t2d, second.t2d)
-
-
-def save_dir(path, head, layout, target, **kw):
-    save_eagle3_head(head, str(path), layout, target.config, **kw)
-    return path
 
 
 def test_weight_names_per_layout(tmp_path, target):
@@ -219,15 +216,23 @@ def test_loader_casts_to_target_dtype(tmp_path):
     ("sglang", [2, 4, 6], (2, 4, 6)),        # sglang PR #25454: lists starting at 2 are inputs already
     ("speculators", [2, 4, 6], (2, 4, 6)),   # vLLM: inputs of layers
     ("speculators", [1, 3, 8], (1, 3, 8)),   # id N: the last layer's output
-    ("eagle", None, (2, 4, 5)),
 ])
 def test_aux_layer_ids_to_hidden_state_indices(target, layout, ids, want):
     config = export_config(random_head(), layout)
-    if layout == "sglang":
-        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
-    elif layout == "speculators":
-        config["eagle_aux_hidden_state_layer_ids"] = ids
+    (config["eagle_config"] if layout == "sglang" else config)["eagle_aux_hidden_state_layer_ids"] = ids
     assert aux_hidden_indices(read_format(config), N_LAYERS) == want
+
+
+def test_reads_published_safeailab_config():
+    """eagle/traineagle3/config.json of SafeAILab/EAGLE (the yuhuili/EAGLE3-LLaMA3.1 head): no rope_theta -> 10000."""
+    fmt = read_format({
+        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+        "max_position_embeddings": 2048, "model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_hidden_layers": 1, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+        "transformers_version": "4.28.1", "vocab_size": 128256, "draft_vocab_size": 32000})
+    assert (fmt.layout, fmt.draft_vocab_size, fmt.target_hidden_size, fmt.config.head_dim) == \
+        ("eagle", 32000, 4096, 128)
+    assert fmt.config.rope_parameters["rope_theta"] == 10000 and aux_hidden_indices(fmt, 32) == (2, 16, 29)
 
 
 @pytest.mark.parametrize("layout, indices", [("sglang", (2, 5, 6)), ("sglang", (3, 5, 7)),
@@ -252,9 +257,9 @@ def test_non_default_layers_refused_where_not_spellable(tmp_path, target):
 
 
 # ----------------------------------------------------------------------------- errors
-def edited(tmp_path, target, config_edit=None, state_edit=None, layout="sglang"):
+def edited(tmp_path, target, config_edit=None, state_edit=None, layout="sglang", head=None):
     """A saved random head with its config.json / weights changed; returns its directory as str."""
-    save_dir(tmp_path, random_head(), layout, target)
+    save_dir(tmp_path, head or random_head(), layout, target)
     if config_edit is not None:
         config = json.loads((tmp_path / "config.json").read_text())
         config_edit(config)
@@ -266,40 +271,21 @@ def edited(tmp_path, target, config_edit=None, state_edit=None, layout="sglang")
     return str(tmp_path)
 
 
-def test_error_target_hidden_size_mismatch(tmp_path, target):
-    path = edited(tmp_path, target, lambda c: c.update(target_hidden_size=32))
-    with pytest.raises(ValueError, match="target hidden states of size 32 but the target has hidden_size 64"):
-        load_eagle3_head(path, target)
-
-
 def test_error_own_hidden_size_without_embedding(tmp_path, target):
-    source = random_head(hidden=32, target_hidden=H)
-    save_dir(tmp_path, source, "speculators", target)
-    state = load_file(tmp_path / "model.safetensors")
-    del state["embed_tokens.weight"]
-    save_file(state, tmp_path / "model.safetensors")
+    path = edited(tmp_path, target, state_edit=lambda s: s.pop("embed_tokens.weight"),
+                  head=random_head(hidden=32, target_hidden=H))
     with pytest.raises(ValueError, match="hidden_size 32 != the target's 64 but no embed_tokens.weight"):
-        load_eagle3_head(str(tmp_path), target)
-
-
-def test_error_vocab_size_mismatch(tmp_path, target):
-    with pytest.raises(ValueError, match="vocab_size 2000 but the target has 1000"):
-        load_eagle3_head(edited(tmp_path, target, lambda c: c.update(vocab_size=2000)), target)
-
-
-def test_error_t2d_length(tmp_path, target):
-    path = edited(tmp_path, target, state_edit=lambda s: s.update(t2d=s["t2d"][:999].clone()))
-    with pytest.raises(ValueError, match="t2d covers 999 target ids but the target's vocabulary has 1000"):
         load_eagle3_head(path, target)
 
 
-def test_error_d2t_out_of_range(tmp_path, target):
-    def push_last(state):
-        state["d2t"] = state["d2t"].clone()
-        state["d2t"][-1] += V
-
-    with pytest.raises(ValueError, match=r"d2t maps draft ids to target ids in \[\d+, \d+\], outside .*\[0, 1000\)"):
-        load_eagle3_head(edited(tmp_path, target, state_edit=push_last), target)
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(t2d=s["t2d"][:999].clone()), "t2d covers 999 target ids but the target's vocabulary has 1000"),
+    (lambda s: s.update(d2t=s["d2t"] + V * (torch.arange(DV) == DV - 1)),
+     r"d2t maps draft ids to target ids in \[\d+, \d+\], outside .*\[0, 1000\)"),
+])
+def test_error_draft_vocabulary_does_not_fit(tmp_path, target, edit, message):
+    with pytest.raises(ValueError, match=message):
+        load_eagle3_head(edited(tmp_path, target, state_edit=edit), target)
 
 
 @pytest.mark.parametrize("layout, ids", [("sglang", [1, 3, 8]), ("speculators", [2, 4, 9]),
@@ -346,11 +332,13 @@ def test_error_unexpected_and_misshapen_weights(tmp_path, target):
 
 
 @pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(vocab_size=2000), "vocab_size 2000 but the target has 1000"),
+    (lambda c: c.update(target_hidden_size=32), "target hidden states of size 32 but the target has hidden_size 64"),
     (lambda c: c.update(norm_before_fc=True), "norm_before_fc=true"),
     (lambda c: c.update(num_hidden_layers=2), "num_hidden_layers=2"),
     (lambda c: c.update(model_type="qwen3"), "'qwen3' decoder layer"),
 ])
-def test_error_unsupported_config(tmp_path, target, edit, message):
+def test_error_config_does_not_fit(tmp_path, target, edit, message):
     with pytest.raises(ValueError, match=message):
         load_eagle3_head(edited(tmp_path, target, edit), target)
 
@@ -387,3 +375,26 @@ def test_matches_specforge_head(tmp_path, target):
     torch.testing.assert_close(head.norm(new_hidden), their_normed, atol=TOL, rtol=TOL)
     torch.testing.assert_close(logits, theirs.lm_head(their_normed), atol=TOL, rtol=TOL)
     assert torch.equal(theirs.d2t, head.d2t) and torch.equal(theirs.t2d, head.t2d)
+
+
+# ----------------------------------------------------------------------------- drafter sketch
+def test_drafter_grows_a_tree_over_the_draft_vocabulary(tmp_path, target):
+    from eagle_fsd.drafters import grow_tree
+    from eagle_fsd.eagle3 import Eagle3Drafter, aux_features
+
+    head, indices = load_eagle3_head(str(save_dir(tmp_path, random_head(seed=10), "eagle", target)), target)
+    prompt = torch.tensor([5, 17, 99, 3, 250, 41])
+    with torch.no_grad():
+        hidden_states = target(prompt[None], output_hidden_states=True).hidden_states
+        features = aux_features(hidden_states, indices)[0]
+        root = torch.tensor(7)
+        drafter = Eagle3Drafter(head, target)
+        drafter.reset(64)
+        root_logits, root_state = drafter.prefill(prompt, root, features)
+        want_hidden, want_logits = head(target.get_input_embeddings()(torch.cat([prompt[1:], root[None]]))[None],
+                                        features[None], torch.arange(6)[None], causal_mask(0, 6, "cpu"))
+        tree = grow_tree(drafter, root, root_logits, root_state, total_token=12, depth=3, top_k=3)
+    torch.testing.assert_close(root_logits, want_logits[0, -1], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(root_state, want_hidden[0, -1], atol=TOL, rtol=TOL)
+    assert tree.size == 12 and drafter.cache.get_seq_length() == drafter.length == 6
+    assert bool(torch.isin(tree.tokens[1:], head.draft_to_target_ids()).all())
