@@ -11,13 +11,17 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.dtypes import DTYPES
-from eagle_fsd.files import atomic_write_text
+from eagle_fsd.eagle3 import default_aux_indices
+from eagle_fsd.eagle3_export import save_eagle3_head
+from eagle_fsd.files import atomic_write_text, sha256_file
 from eagle_fsd.train.data import encode_all, ensure_chat_template, load_conversations, mostly_ascii
 from eagle_fsd.train.distill import distill_path, self_distill
+from eagle_fsd.train.eagle3 import Eagle3Loss, draft_vocabulary, new_eagle3_head
 from eagle_fsd.train.features import build_feature_cache, load_shards, model_fingerprint
 from eagle_fsd.train.head import head_raw_config, new_head, save_head
 from eagle_fsd.train.log import log
 from eagle_fsd.train.loop import train
+from eagle_fsd.train.loss import head_loss
 
 
 def _cpu_bf16_fast() -> bool:
@@ -28,8 +32,16 @@ def _cpu_bf16_fast() -> bool:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="eagle-fsd train-head", description="train an EAGLE-1/2 head for a causal LM")
+    p = argparse.ArgumentParser(prog="eagle-fsd train-head", description="train an EAGLE head for a causal LM")
     p.add_argument("--base", required=True, help="target model: preset name, hub id or directory")
+    p.add_argument("--arch", choices=["eagle2", "eagle3"], default="eagle2",
+                   help="eagle2: EAGLE-1/2 head (fc over [embedding, last hidden]); eagle3: EAGLE-3 head (three "
+                        "target layers, own lm_head over a draft vocabulary, training-time test)")
+    p.add_argument("--draft-vocab", type=int, default=32000,
+                   help="eagle3: draft vocabulary size, the most frequent reply tokens (capped at the vocabulary)")
+    p.add_argument("--ttt-steps", type=int, default=7, help="eagle3: training-time-test unroll steps")
+    p.add_argument("--export", choices=["eagle", "sglang", "speculators"], default="eagle",
+                   help="eagle3: checkpoint layout written (SafeAILab EAGLE, SGLang/SpecForge, vLLM speculators)")
     p.add_argument("--data", default="sharegpt",
                    help="sharegpt | fastchat-dummy | a ShareGPT-format .json/.jsonl (comma-separated for several)")
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
@@ -154,8 +166,9 @@ def data_stage(run: Run) -> list:
 def features_stage(run: Run, samples) -> list[Path]:
     started = time.perf_counter()
     args = run.args
+    layers = default_aux_indices(run.target.config.num_hidden_layers) if args.arch == "eagle3" else None
     paths = build_feature_cache(run.target, samples, run.cache, args.shard_size, args.batch_tokens,
-                                DTYPES[args.feature_dtype], run.progress)
+                                DTYPES[args.feature_dtype], run.progress, layers)
     run.times["features_s"] = time.perf_counter() - started
     log(f"features: {len(paths)} shards in {run.cache} ({run.times['features_s']:.0f} s)")
     return paths
@@ -168,24 +181,40 @@ def split_held_out(seqs: list, holdout: float) -> tuple[list, list]:
     return seqs[:n_held], seqs[n_held:]
 
 
-def training_stage(run: Run, paths: list[Path]):
-    """(head, its raw config, train()'s summary, held-out count, training count)."""
+def initial_head(run: Run, samples):
+    """(head, raw config or None, loss function): new or --init, EAGLE-1/2 or EAGLE-3."""
     from eagle_fsd.drafters import load_eagle_head
+    from eagle_fsd.eagle3 import load_eagle3_head
 
     args = run.args
-    started = time.perf_counter()
-    held, train_seqs = split_held_out(load_shards(paths), args.holdout)
-    log(f"train: {len(train_seqs)} conversations for training, {len(held)} held out; bf16 autocast {run.bf16}")
+    if args.arch == "eagle3":
+        draft_ids = draft_vocabulary(samples, run.target.config.vocab_size, args.draft_vocab)
+        head = new_eagle3_head(run.target, draft_ids, args.seed)
+        if args.init:
+            head.load_state_dict(load_eagle3_head(args.init, run.target)[0].float().state_dict())
+        log(f"train: EAGLE-3 head, draft vocabulary {draft_ids.numel()}, {args.ttt_steps} TTT steps")
+        return head, None, Eagle3Loss(args.ttt_steps)
     raw = head_raw_config(run.target.config)
     head = new_head(raw, args.seed)
     if args.init:
         head.load_state_dict(load_eagle_head(args.init, run.target).state_dict())
+    return head, raw, head_loss
+
+
+def training_stage(run: Run, paths: list[Path], samples):
+    """(head, its raw config, train()'s summary, held-out count, training count)."""
+    args = run.args
+    started = time.perf_counter()
+    held, train_seqs = split_held_out(load_shards(paths), args.holdout)
+    log(f"train: {len(train_seqs)} conversations for training, {len(held)} held out; bf16 autocast {run.bf16}")
+    head, raw, loss_fn = initial_head(run, samples)
+    if args.init:
         log(f"train: starting from the head in {args.init}")
     summary = train(head, run.target, train_seqs, held, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                     batch_tokens=args.batch_tokens, warmup=args.warmup, weight_decay=args.weight_decay,
                     grad_clip=args.grad_clip, noise=args.noise, v_weight=args.v_weight, p_weight=args.p_weight,
                     seed=args.seed, bf16=run.bf16, state_path=run.cache / "train_state.pt", resume=args.resume,
-                    save_every=args.save_every, eval_every=args.eval_every, progress=run.progress)
+                    save_every=args.save_every, eval_every=args.eval_every, progress=run.progress, loss_fn=loss_fn)
     run.times["train_s"] = time.perf_counter() - started
     return head, raw, summary, len(held), len(train_seqs)
 
@@ -194,9 +223,15 @@ def save_and_report(run: Run, argv: list[str], samples, head, raw: dict, summary
                     n_train: int) -> None:
     """Save the head (it must load against its target) and write cache/train_report.json."""
     from eagle_fsd.drafters import load_eagle_head
+    from eagle_fsd.eagle3 import load_eagle3_head
 
-    digest = save_head(head, raw, run.out, DTYPES[run.args.save_dtype])
-    load_eagle_head(str(run.out), run.target)
+    if raw is None:  # EAGLE-3
+        save_eagle3_head(head.cast(DTYPES[run.args.save_dtype]), str(run.out), run.args.export, run.target.config)
+        digest = sha256_file(run.out / "model.safetensors")
+        load_eagle3_head(str(run.out), run.target)
+    else:
+        digest = save_head(head, raw, run.out, DTYPES[run.args.save_dtype])
+        load_eagle_head(str(run.out), run.target)
     run.times["total_s"] = time.perf_counter() - run.start
     report = {"argv": argv, "base": run.args.base, "conversations": len(samples),
               "tokens": sum(ids.numel() for ids, _ in samples),
@@ -218,6 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     paths = features_stage(run, samples)
     if run.args.stop_after == "features":
         return 0
-    head, raw, summary, n_held, n_train = training_stage(run, paths)
+    head, raw, summary, n_held, n_train = training_stage(run, paths, samples)
     save_and_report(run, argv, samples, head, raw, summary, n_held, n_train)
     return 0

@@ -52,9 +52,12 @@ def shard_is_valid(path: Path, fingerprint: str) -> bool:
 
 
 @torch.no_grad()
-def target_features(target, samples, batch_tokens: int = 4096) -> list[torch.Tensor]:
-    """Last hidden states (after the final norm) of each sample, (L, H) each, in target's dtype. Batches are
-    right-padded: causal attention keeps the padding out of every real position, so no padding mask is needed."""
+def target_features(target, samples, batch_tokens: int = 4096, layers: tuple[int, ...] | None = None
+                    ) -> list[torch.Tensor]:
+    """Last hidden states (after the final norm) of each sample, (L, H) each, in target's dtype; with `layers`
+    (EAGLE-3: output_hidden_states indices = the hidden states entering those layers) the rows are
+    cat(hidden_states[i] for i in layers, last hidden state), (L, (len(layers) + 1) * H). Batches are right-padded:
+    causal attention keeps the padding out of every real position, so no padding mask is needed."""
     decoder, device = target.get_decoder(), target.device
     out: list[torch.Tensor | None] = [None] * len(samples)
     order = sorted(range(len(samples)), key=lambda i: samples[i][0].numel())
@@ -69,14 +72,18 @@ def target_features(target, samples, batch_tokens: int = 4096) -> list[torch.Ten
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for r, i in enumerate(rows):
             ids[r, : samples[i][0].numel()] = samples[i][0]
-        hidden = decoder(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        result = decoder(input_ids=ids.to(device), use_cache=False, output_hidden_states=layers is not None)
+        hidden = result.last_hidden_state
+        if layers is not None:
+            hidden = torch.cat([result.hidden_states[i] for i in layers] + [hidden], dim=-1)
         for r, i in enumerate(rows):
             out[i] = hidden[r, : samples[i][0].numel()].cpu()
     return out
 
 
 def build_feature_cache(target, samples, cache_dir: Path, shard_size: int = 256, batch_tokens: int = 4096,
-                        dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> list[Path]:
+                        dtype: torch.dtype = torch.bfloat16, progress: bool = True,
+                        layers: tuple[int, ...] | None = None) -> list[Path]:
     """Feature shards of `samples` ([(ids, mask)]) under cache_dir: shard k holds samples [k*S, (k+1)*S). Valid
     shards are kept; missing, stale or corrupt ones are (re)computed, written to a temp file and renamed."""
     from safetensors.torch import save_file
@@ -90,7 +97,7 @@ def build_feature_cache(target, samples, cache_dir: Path, shard_size: int = 256,
     for k in range(n_shards):
         part = samples[k * shard_size: (k + 1) * shard_size]
         path = cache_dir / f"features-{k:05d}.safetensors"
-        fingerprint = _samples_fingerprint(part, f"{model_fp}|{dtype}")
+        fingerprint = _samples_fingerprint(part, f"{model_fp}|{dtype}" + (f"|{list(layers)}" if layers else ""))
         paths.append(path)
         tokens = sum(ids.numel() for ids, _ in part)
         if shard_is_valid(path, fingerprint):
@@ -98,7 +105,7 @@ def build_feature_cache(target, samples, cache_dir: Path, shard_size: int = 256,
             continue
         if path.exists() or path.with_suffix(".json").exists():
             log(f"features: shard {path.name} is stale or corrupt; recomputing it")
-        hidden = target_features(target, part, batch_tokens)
+        hidden = target_features(target, part, batch_tokens, layers)
         tensors = {
             "input_ids": torch.cat([ids for ids, _ in part]).to(torch.int32),
             "loss_mask": torch.cat([mask for _, mask in part]).to(torch.uint8),

@@ -52,19 +52,28 @@ def collate(seqs: list[Seq], device) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @torch.no_grad()
-def evaluate(head, embed, lm_head, seqs: list[Seq], device, batch_tokens: int = 4096) -> dict:
+def evaluate(head, embed, lm_head, seqs: list[Seq], device, batch_tokens: int = 4096, loss_fn=head_loss) -> dict:
     """Held-out metrics without noise, in fp32: top-1 agreement with the target's argmax and both losses."""
     was_training = head.training
     head.eval()
     correct = count = 0
     v = p = 0.0
+    by_step: list[list[int]] = []
     for batch in make_batches([s.ids.numel() for s in seqs], 64, batch_tokens, random.Random(0)):
-        parts = head_loss(head, embed, lm_head, *collate([seqs[i] for i in batch], device))
+        parts = loss_fn(head, embed, lm_head, *collate([seqs[i] for i in batch], device))
         correct, count = correct + parts.correct, count + parts.count
         v, p = v + parts.v_loss * parts.count, p + parts.p_loss * parts.count
+        for j, (c, n) in enumerate(parts.by_step or []):
+            if j == len(by_step):
+                by_step.append([0, 0])
+            by_step[j][0] += c
+            by_step[j][1] += n
     head.train(was_training)
-    return {"top1": correct / max(count, 1), "v_loss": v / max(count, 1), "p_loss": p / max(count, 1),
-            "positions": count}
+    metrics = {"top1": correct / max(count, 1), "v_loss": v / max(count, 1), "p_loss": p / max(count, 1),
+               "positions": count}
+    if by_step:  # agreement with the target's argmax at each unroll step (draft depth 1, 2, ...)
+        metrics["top1_by_step"] = [round(c / max(n, 1), 4) for c, n in by_step]
+    return metrics
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
@@ -144,9 +153,11 @@ def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], 
           lr: float = 3e-4, batch_size: int = 8, batch_tokens: int = 4096, warmup: float = 0.05,
           weight_decay: float = 0.0, grad_clip: float = 0.5, noise: float = 0.2, v_weight: float = 1.0,
           p_weight: float = 0.1, seed: int = 0, bf16: bool = False, state_path: Path | None = None,
-          resume: bool = False, save_every: int = 200, eval_every: int = 200, progress: bool = True) -> dict:
+          resume: bool = False, save_every: int = 200, eval_every: int = 200, progress: bool = True,
+          loss_fn=head_loss) -> dict:
     """Train `head` in place on the feature sequences; returns a summary (held-out metrics, steps, times).
-    epochs may be fractional (the last epoch is cut short)."""
+    epochs may be fractional (the last epoch is cut short). loss_fn: head_loss (EAGLE-1/2) or one with its
+    signature (train.eagle3.Eagle3Loss)."""
     from tqdm import tqdm
 
     device = target.device
@@ -172,12 +183,12 @@ def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], 
         ids, mask, hidden = collate([train_seqs[i] for i in epoch_batches[e][b]], device)
         generator.manual_seed(seed * 1_000_003 + step)
         with autocast:
-            parts = head_loss(head, embed, lm_head, ids, mask, hidden, noise, generator, v_weight, p_weight)
+            parts = loss_fn(head, embed, lm_head, ids, mask, hidden, noise, generator, v_weight, p_weight)
         optimizer_step(head, opt, sched, parts.loss, grad_clip)
         step += 1
         running.add(parts, ids.numel())
         if (eval_every and step % eval_every == 0) or step == total:
-            held = evaluate(head, embed, lm_head, held_seqs, device, batch_tokens) if held_seqs else {}
+            held = evaluate(head, embed, lm_head, held_seqs, device, batch_tokens, loss_fn) if held_seqs else {}
             history.append({"step": step, "epoch": e, "loss": running.loss, "train_top1": running.top1,
                             "held": held, "lr": sched.get_last_lr()[0]})
             log_eval(step, total, e, running, held)

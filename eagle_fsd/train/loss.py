@@ -19,6 +19,7 @@ class LossParts:
     p_loss: float
     correct: int
     count: int
+    by_step: list[tuple[int, int]] | None = None  # (correct, count) per unroll step of a multi-step loss
 
 
 def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, hidden, noise: float = 0.0,
