@@ -6,24 +6,30 @@ last N columns carry the tree mask (ancestor-or-self; a lower triangle for a cau
   "triton" -- eagle_fsd.kernels.tree_attention, which reads only the (N, N) tree block, bit-packed (the CUDA
               default; on CPU it runs under TRITON_INTERPRET=1, for tests).
 With "auto", the kernel serves forwards on top of a cached prefix (tree verification, draft levels, catch-up) and
-SDPA serves prompt prefill (no prefix: SDPA's causal kernels are faster there). The backend is chosen per model
-through `config.eagle_fsd_attention` ("auto", "sdpa" or "triton").
+SDPA serves prompt prefill (no prefix: SDPA's causal kernels are faster there).
+
+One forward, one state. `eagle_fsd.hf.decoder_forward` (and the EAGLE head's forward) create a `ForwardState` per
+forward and pass it as the keyword argument `eagle_fsd_forward`; transformers' models hand their extra keyword
+arguments (`**kwargs: TransformersKwargs`) from the model's forward through every decoder layer and attention module
+to the registered attention function, so each layer of that forward, and only those, sees it. It holds the backend
+("auto", "sdpa" or "triton", chosen by the caller), and what the forward's layers compute once and share: the packed
+tree block and the masks cut to sliding windows. Nothing lives at module level: two models or threads never share a
+mask.
 
 Sliding-window layers. transformers passes an explicit 4-D mask through unchanged, so a model's sliding window is
-not in the engine's mask. While `eagle_fsd.hf.decoder_forward` runs a forward it publishes the positions of the
-forward's queries (N,) and keys (L,) (`token_positions`); a layer with window w then cuts the mask to
+not in the engine's mask. For a model with a window decoder_forward puts the positions of the forward's queries (N,)
+and keys (L,) in its state; a layer with window w then cuts the mask to
     query at position p sees key at position k  iff  mask[p, k] and p - k < w,
 transformers' convention (masking_utils.sliding_window_overlay: kv_idx > q_idx - w). A layer's window is the
 `sliding_window` argument its model passes to the attention function (None on full layers) or, for models that do
 not pass it, the one its config implies (`layer_windows`). Sliding layers always run on SDPA: the Triton kernel
 treats the whole prefix as visible, so "auto" and "triton" fall back to SDPA on them (full layers keep the kernel).
-Outside decoder_forward (e.g. transformers' own generate) the mask transformers built already holds the window and
-is used as given.
+Outside decoder_forward (e.g. transformers' own generate) no state is passed: backend "auto", and the mask
+transformers built, which already holds the window, is used as given.
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -102,39 +108,39 @@ def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, wi
     return (query_positions[:, None] - key_positions[None, :]) < window
 
 
-# ---------------------------------------------------------------- positions of the running forward
-_active = threading.local()  # .positions: (query (N,), key (L,), {window: cut mask}) of the running forward
+# ---------------------------------------------------------------- what one forward's layers share
+@dataclass
+class ForwardState:
+    """Owned by one forward (eagle_fsd.hf.decoder_forward creates it and hands it to every layer as the keyword
+    argument `eagle_fsd_forward`, which transformers' models pass through to the attention function): the backend,
+    the positions of the forward's queries (N,) and keys (L,) for its sliding-window layers (None: the mask is used
+    as given), and what its layers compute once and share: the mask cut to each window, the packed tree block."""
+
+    backend: str = "auto"
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> the forward's mask cut to it
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, its bit-packed (B, N, W) tree block)
 
 
-@contextmanager
-def token_positions(query_positions: torch.Tensor, key_positions: torch.Tensor):
-    """Publish the positions of the queries and keys of the forward run inside this block (decoder_forward), for
-    the sliding-window layers of that forward."""
-    outer = getattr(_active, "positions", None)
-    _active.positions = (query_positions, key_positions, {})
-    try:
-        yield
-    finally:
-        _active.positions = outer
 
-
-def windowed_mask(attention_mask: torch.Tensor | None, window: int, query_len: int, key_len: int):
-    """The mask of a layer with a sliding window: the engine's mask cut to the window (computed once per forward and
-    window), or transformers' own mask when no engine forward is running (transformers built it with the window)."""
-    positions = getattr(_active, "positions", None)
-    if positions is None:
+def windowed_mask(state: ForwardState, attention_mask: torch.Tensor | None, window: int, query_len: int,
+                  key_len: int):
+    """The mask of a layer with a sliding window: the engine's mask cut to the window (once per forward and window),
+    or transformers' own mask when the forward published no positions (transformers built it with the window)."""
+    query, key = state.query_positions, state.key_positions
+    if query is None:
         return attention_mask
-    query, key, cut = positions
     if attention_mask is None or tuple(attention_mask.shape[-2:]) != (query_len, key_len) \
             or query.numel() != query_len or key.numel() != key_len:
         raise RuntimeError(f"sliding-window layer got a mask of shape "
                            f"{None if attention_mask is None else tuple(attention_mask.shape)} for {query_len} queries "
                            f"over {key_len} keys, but the running forward published {query.numel()} query and "
                            f"{key.numel()} key positions; run engine forwards through eagle_fsd.hf.decoder_forward")
-    if window not in cut:
+    if window not in state.windowed:
         visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        cut[window] = visible & within_window(query, key, window)
-    return cut[window]
+        state.windowed[window] = visible & within_window(query, key, window)
+    return state.windowed[window]
 
 
 # ---------------------------------------------------------------- the attention function
@@ -144,34 +150,35 @@ def _use_kernel(backend: str, query: torch.Tensor, key: torch.Tensor) -> bool:
     return backend == "triton"
 
 
-_packed = {"mask": None, "packed": None}  # one forward's packed tree block, shared by all its layers
-
-
-def packed_tree_block(attention_mask: torch.Tensor | None, n: int, device) -> torch.Tensor:
-    """The bit-packed (B, N, W) tree block of a (B, 1, N, L) bool mask; no mask means causal."""
+def packed_tree_block(state: ForwardState, attention_mask: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """The bit-packed (B, N, W) tree block of a (B, 1, N, L) bool mask (no mask: causal), packed once per forward:
+    every full layer of a forward gets the same mask."""
     from eagle_fsd.kernels import pack_tree_mask
 
     if attention_mask is None:
         return pack_tree_mask(torch.ones(n, n, dtype=torch.bool, device=device).tril())
-    if _packed["mask"] is not attention_mask:
+    if state.packed is None or state.packed[0] is not attention_mask:
         block = attention_mask[:, 0, :, -n:]
         if block.dtype != torch.bool:
             block = block == 0  # additive float mask: 0 = visible
-        _packed["mask"], _packed["packed"] = attention_mask, pack_tree_mask(block)
-    return _packed["packed"]
+        state.packed = (attention_mask, pack_tree_mask(block))
+    return state.packed[1]
 
 
-def eagle_fsd_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def eagle_fsd_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        eagle_fsd_forward: ForwardState | None = None, **kwargs):
+    """Outside an engine forward (no `eagle_fsd_forward`, e.g. transformers' own generate): backend "auto" and the
+    mask as transformers built it."""
+    state = ForwardState() if eagle_fsd_forward is None else eagle_fsd_forward
     window = module_window(module, kwargs)
     if window is not None:  # sliding layer: SDPA on the windowed mask (the kernel sees the whole prefix)
-        attention_mask = windowed_mask(attention_mask, window, query.shape[2], key.shape[2])
+        attention_mask = windowed_mask(state, attention_mask, window, query.shape[2], key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    backend = getattr(module.config, "eagle_fsd_attention", "auto")
-    if _use_kernel(backend, query, key):
+    if _use_kernel(state.backend, query, key):
         from eagle_fsd.kernels import tree_attention
 
-        tree_mask = packed_tree_block(attention_mask, query.shape[2], query.device)
+        tree_mask = packed_tree_block(state, attention_mask, query.shape[2], query.device)
         return tree_attention(query, key, value, tree_mask, scale=scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

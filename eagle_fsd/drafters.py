@@ -20,7 +20,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from eagle_fsd.attention import check_attention_support
+from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
@@ -52,13 +52,14 @@ class EagleHead(nn.Module):
         self.layers.to(dtype)
         return self
 
-    def forward(self, token_embeds, features, position_ids, attention_mask, cache=None):
-        """token_embeds, features (B, T, H) -> draft features (B, T, H)."""
+    def forward(self, token_embeds, features, position_ids, attention_mask, cache=None, backend: str = "auto"):
+        """token_embeds, features (B, T, H) -> draft features (B, T, H); attention by `backend` (eagle_fsd.attention)."""
         hidden = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
         position_embeddings = self.rotary_emb(hidden, position_ids)
         layer = self.layers[0]
         out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                    position_embeddings=position_embeddings, **cache_kwargs(layer, cache))
+                    position_embeddings=position_embeddings, eagle_fsd_forward=ForwardState(backend),
+                    **cache_kwargs(layer, cache))
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -169,16 +170,17 @@ class DraftHead:
 
 
 class EagleDrafter:
-    """Drafts with an EAGLE head: input at position t is (embed(x_{t+1}), feature f_t)."""
+    """Drafts with an EAGLE head: input at position t is (embed(x_{t+1}), feature f_t). attention: the head's
+    attention backend (eagle_fsd.attention)."""
 
-    def __init__(self, head: EagleHead, target: nn.Module):
+    def __init__(self, head: EagleHead, target: nn.Module, attention: str = "auto"):
         if head.fc.weight.dtype != target.dtype:
             raise ValueError(f"EAGLE head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; "
                              "cast the head with head.cast(target.dtype)")
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
         check_attention_support(target.config)
-        self.head, self.target = head, target
+        self.head, self.target, self.attention = head, target, attention
         self.embed = target.get_input_embeddings()
         self.draft_head = DraftHead(target.get_output_embeddings(), target.config.vocab_size)
 
@@ -191,8 +193,8 @@ class EagleDrafter:
         self.length = 0
 
     def _run(self, tokens, features, mask, positions):
-        hidden = self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache)[0]
-        return hidden
+        return self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache,
+                         self.attention)[0]
 
     def prefill(self, prompt_ids, root, target_hidden):
         return self.extend(torch.cat([prompt_ids[1:], root.reshape(1)]), target_hidden)
@@ -216,11 +218,13 @@ class EagleDrafter:
 
 
 class LMDrafter:
-    """Drafts with a small causal LM that shares the target's tokenizer (training-free)."""
+    """Drafts with a small causal LM that shares the target's tokenizer (training-free). attention: its attention
+    backend (eagle_fsd.attention); None: "auto" (TEMPORARY until merge: the model config's old attribute)."""
 
-    def __init__(self, model: nn.Module, vocab_size: int):
+    def __init__(self, model: nn.Module, vocab_size: int, attention: str | None = None):
         check_attention_support(model.config)
         self.model = model
+        self.attention = attention
         self.vocab_size = vocab_size  # the target's logit width; the draft's is cut or padded to it
         self.draft_head = DraftHead(model.get_output_embeddings(), vocab_size)
 
@@ -238,13 +242,15 @@ class LMDrafter:
     def extend(self, tokens, target_hidden=None):
         n = tokens.numel()
         positions = self.length + torch.arange(n, device=tokens.device)
-        hidden = decoder_forward(self.model, tokens, self.cache, causal_mask(self.length, n, tokens.device), positions)
+        hidden = decoder_forward(self.model, tokens, self.cache, causal_mask(self.length, n, tokens.device), positions,
+                                 self.attention)
         self.length += n
         return self.draft_head(hidden[-1:])[0], None
 
     def forward_level(self, tokens, parent_state, level, level_mask):
         positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
-        hidden = decoder_forward(self.model, tokens, self.cache, prefix_tree_mask(self.length, level_mask), positions)
+        hidden = decoder_forward(self.model, tokens, self.cache, prefix_tree_mask(self.length, level_mask), positions,
+                                 self.attention)
         return self.draft_head(hidden), None
 
     def rollback(self):

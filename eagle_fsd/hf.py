@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
 from functools import lru_cache
 
 import torch
 
-from eagle_fsd.attention import token_positions
+from eagle_fsd.attention import ForwardState
 
 
 @lru_cache(maxsize=None)
@@ -41,19 +40,32 @@ def key_positions(cache, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.arange(past, device=positions.device), positions])
 
 
-def decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor):
-    """Run model's decoder (no lm_head) over input_ids (n,) appended to `cache`, at the given positions (n,) and
-    with an explicit (1, 1, n, cache_len + n) bool mask. Returns the final-norm hidden states (n, H): the features
-    EAGLE heads read, and what the lm_head turns into logits.
+def legacy_backend(model, backend: str | None) -> str:
+    """TEMPORARY (removed at merge, once model.py passes `attention` to every forward): the backend a caller did not
+    give, from the old `config.eagle_fsd_attention` attribute."""
+    return getattr(model.config, "eagle_fsd_attention", "auto") if backend is None else backend
 
-    Sliding-window layers see the mask cut to their window (eagle_fsd.attention): for a model with any sliding layer
-    the positions of the forward's queries and keys are published while it runs. Models with an attention kind the
+
+def forward_state(model, cache, positions: torch.Tensor, backend: str) -> ForwardState:
+    """The state one forward's layers share: the backend, and for a model with sliding layers the positions of the
+    forward's queries and keys (no layer slides without a window: attention.config_window)."""
+    if not getattr(model.config, "sliding_window", None):
+        return ForwardState(backend)
+    return ForwardState(backend, positions, key_positions(cache, positions))
+
+
+def decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor,
+                    backend: str | None = None):
+    """Run model's decoder (no lm_head) over input_ids (n,) appended to `cache`, at the given positions (n,) and
+    with an explicit (1, 1, n, cache_len + n) bool mask, attention by `backend` ("auto", "sdpa" or "triton";
+    eagle_fsd.attention). Returns the final-norm hidden states (n, H): the features EAGLE heads read, and what the
+    lm_head turns into logits.
+
+    Sliding-window layers see the mask cut to their window (eagle_fsd.attention). Models with an attention kind the
     engine does not implement are refused once, where the engine and the drafters are built
     (eagle_fsd.attention.check_attention_support), not at every forward."""
     decoder = model.get_decoder()
-    slides = bool(getattr(model.config, "sliding_window", None))  # no layer slides without a window (config_window)
-    scope = token_positions(positions, key_positions(cache, positions)) if slides else nullcontext()
-    with scope:
-        out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],
-                      **cache_kwargs(decoder, cache))
+    state = forward_state(model, cache, positions, legacy_backend(model, backend))
+    out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],
+                  eagle_fsd_forward=state, **cache_kwargs(decoder, cache))
     return out.last_hidden_state[0]

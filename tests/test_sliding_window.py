@@ -170,15 +170,14 @@ def test_triton_backend_falls_back_to_sdpa_on_sliding_layers(kind, kernel_layers
 
     monkeypatch.setattr(attention, "sdpa_attention_forward", counting_sdpa)
     target = sliding_model(kind, 3)
-    target.config.eagle_fsd_attention = "triton"
-    model = EaFsdModel(target, None, LMDrafter(target, VOCAB), total_token=8, depth=4, top_k=2)
+    target.config.eagle_fsd_attention = "triton"  # TEMPORARY: EaFsdModel(..., attention="triton") once model.py has it
+    model = EaFsdModel(target, None, LMDrafter(target, VOCAB, attention="triton"), total_token=8, depth=4, top_k=2)
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=12, eos_token_id=[], return_dict=True)
     sliding = {i for i, w in enumerate(attention.layer_windows(target.config)) if w is not None}
     assert set(layers) == sliding  # SDPA serves the sliding layers only
     forwards = len(layers) // len(sliding)  # each forward (prefill, draft level, verify, catch-up) runs each once
     assert len(calls) == kernel_layers * forwards
-    target.config.eagle_fsd_attention = "sdpa"
     assert torch.equal(out.sequences, reference_greedy(target, ids, 12))
 
 
@@ -189,3 +188,34 @@ def test_unsupported_attention_kinds_are_refused(bad):
         LMDrafter(target, VOCAB)
     with pytest.raises(ValueError, match=bad):
         EaFsdModel(target).naive_generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kind,packs", [("llama", 1), ("mixed", 1), ("qwen2", 0)])
+def test_one_forward_packs_its_tree_block_once(kind, packs, monkeypatch):
+    """The packed tree block lives in the forward's own state: packed once for all the full layers of a forward
+    (none when every layer slides), again for the next forward, and the backend is the one that forward was given."""
+    import eagle_fsd.kernels
+
+    packed = []
+    pack = eagle_fsd.kernels.pack_tree_mask
+    monkeypatch.setattr(eagle_fsd.kernels, "pack_tree_mask", lambda *a, **k: packed.append(1) or pack(*a, **k))
+    model = tiny_model("llama", vocab=VOCAB, seed=1, num_hidden_layers=LAYERS) if kind == "llama" \
+        else sliding_model(kind, 3)
+    cache = TreeCache(LAYERS, 32)
+    ids = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(2))
+    decoder_forward(model, ids, cache, causal_mask(0, 8, "cpu"), torch.arange(8), backend="sdpa")
+    assert packed == []  # SDPA never packs
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for forward in (1, 2):
+        decoder_forward(model, ids[:3], cache, prefix_tree_mask(8, tree), 8 + torch.tensor([0, 1, 1]),
+                        backend="triton")
+        cache.crop(8)
+        assert len(packed) == packs * forward
+
+
+def test_attention_outside_an_engine_forward_is_transformers_own():
+    """Without a forward state (transformers' own generate) the mask is used as transformers built it, with the
+    "auto" backend: the same greedy tokens as transformers' SDPA attention."""
+    target = sliding_model("mixed", 3)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(hf_greedy(target, ids, 12), reference_greedy(target, ids, 12))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eagle_fsd import tune, vocab
+from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.fsd import FsdConfig, node_divergences
 from eagle_fsd.model import EaFsdModel, SpeedGuard
@@ -168,13 +169,13 @@ def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- dtype "auto"
 def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
-    monkeypatch.setattr(tune, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU
+    monkeypatch.setattr(tune_dtype, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU
     assert not tune.native_bf16()
     assert tune.resolve_dtype("auto") == torch.float32
-    monkeypatch.setattr(tune, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    monkeypatch.setattr(tune, "bf16_measures_faster", lambda *shape: True)
+    monkeypatch.setattr(tune_dtype, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape: True)
     assert tune.resolve_dtype("auto") == torch.bfloat16
-    monkeypatch.setattr(tune, "bf16_measures_faster", lambda *shape: False)  # native but slower when measured
+    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape: False)  # native but slower when measured
     assert tune.resolve_dtype("auto") == torch.float32
     assert tune.resolve_dtype(torch.float16) == torch.float16
 

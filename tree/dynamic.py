@@ -30,7 +30,7 @@ class DraftTree:
     dist_index:       (n,) row of `draft_logprobs` holding the draft distribution over node i's children, -1 if
                       node i was not expanded
     draft_logits:     (n_expanded, V_draft) raw draft logits at the expanded nodes
-    draft_vocab:      (V_draft,) target ids of the draft vocabulary (None: the full vocabulary)
+    draft_vocab:      (V_draft,) target ids of the draft vocabulary columns (None: the full vocabulary)
     """
 
     tokens: torch.Tensor
@@ -90,15 +90,13 @@ def next_level_mask(level_mask: torch.Tensor, parent_rows: torch.Tensor) -> torc
 
 @dataclass
 class DraftPool:
-    """Every node drafted in one step, before the global rerank. Non-root nodes are numbered 1..P in drafting
-    order (level-major), so a parent's pool index is smaller than its children's and the nodes of the first d
-    levels are a prefix of the pool.
+    """Every node drafted in one step, before the global rerank, in pool indexing (module docstring): the nodes of
+    the first d levels are a prefix of the pool.
 
     tokens, scores, parents, depths: (P,) token, cumulative draft log-prob, parent pool index (0 = root), level
     dist_row:     (P + 1,) row of `draft_logits` holding the draft distribution over a pool node's children (root
                   included), -1 if the node was not expanded
-    draft_logits: (rows, V_draft) raw draft logits at the expanded nodes
-    draft_vocab:  (V_draft,) target ids of the draft vocabulary columns, None when it is the full vocabulary
+    draft_logits, draft_vocab: as in DraftTree (the trees selected from this pool share them)
     """
 
     tokens: torch.Tensor

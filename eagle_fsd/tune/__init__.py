@@ -1,0 +1,39 @@
+"""Speculation that pays on this machine: a measured cost model and the draft tree it chooses.
+
+One speculative step emits E[a + 1] tokens (a = accepted draft tokens, +1 for the target's own token) and costs
+
+    t_step(n, d, k, v) = t_verify(n) + d * t_level(k, v) + t_extend(v) + t_overhead
+
+for a tree of n nodes grown by d draft forwards of k nodes each (EAGLE's total_token, depth, top_k), the drafter
+scoring a draft vocabulary of the v most frequent tokens (v = 0: the whole vocabulary). Plain decoding emits one
+token per t_plain. So the predicted speedup of a shape is
+
+    speedup(n, d, k, v) = E[a + 1 | n, d, k, v] * t_plain / t_step(n, d, k, v)
+
+`measure` times every term on this machine (target forwards over n new tokens, draft forwards over k nodes, the
+drafter's catch-up, the engine's own per-step cost and plain decoding, all through the real engine) and measures
+E[a + 1 | shape] by replay: the target's greedy continuation of shipped calibration prompts is decoded once, then
+at every position the drafter grows its pool as in a real step and the accepted length of every candidate tree is
+read off it (for greedy decoding the accepted path is the longest prefix of that continuation the tree holds, so
+the replay is exact, and one pool per top_k serves every depth and size). `choose_shape` takes the argmax; when it
+is below 1 the engine decodes plainly. Profiles are cached as JSON per model, drafter, device, dtype and threads.
+
+Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
+(timing the terms, TuneSettings), store (the JSON cache, autotune / apply_tuning), dtype (dtype "auto"), cli
+(`eagle-fsd tune`, the cost-curve plot). Every public name is re-exported here.
+"""
+from eagle_fsd.tune.cli import format_profile, main, plot_cost_curves
+from eagle_fsd.tune.dtype import bf16_measures_faster, cpu_flags, native_bf16, resolve_dtype
+from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
+                                    calibration_prompts, device_name, measure, measure_costs, measure_overhead,
+                                    timed_rounds)
+from eagle_fsd.tune.profile import CostProfile, Tuning, choose_shape, describe, tuning_from
+from eagle_fsd.tune.replay import accepted_lengths, accepted_path, cut_to_vocab, replay, target_hidden, walk_tau
+from eagle_fsd.tune.store import TUNE_VERSION, apply_tuning, autotune, cache_key, cache_path, load_or_measure
+
+__all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "CostProfile", "DraftSetup",
+           "TuneSettings", "Tuning", "accepted_lengths", "accepted_path", "apply_tuning", "autotune",
+           "bf16_measures_faster", "cache_key", "cache_path", "calibration_prompts", "choose_shape", "cpu_flags",
+           "cut_to_vocab", "describe", "device_name", "format_profile", "load_or_measure", "main", "measure",
+           "measure_costs", "measure_overhead", "native_bf16", "plot_cost_curves", "replay", "resolve_dtype",
+           "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]

@@ -1,0 +1,247 @@
+"""Timing every term of the cost model on this machine, through the real engine: target forwards over n new tokens,
+draft forwards over k nodes, the drafter's catch-up, the engine's own per-step cost and plain decoding; acceptance
+by replay (eagle_fsd.tune.replay)."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_fsd.cache import TreeCache
+from eagle_fsd.hf import causal_mask, decoder_forward
+from eagle_fsd.tune.profile import CostProfile, choose_shape
+from eagle_fsd.tune.replay import RANKS, replay, target_hidden, tau_by_shape
+
+SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
+TOP_KS = (1, 2, 4, 8)
+MAX_DEPTH = 6
+CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
+
+
+@dataclass
+class TuneSettings:
+    """How much the tuner measures. Up to prompts x new_tokens calibration positions (fewer for an expensive
+    drafter, to keep the replay near replay_seconds); top_ks / max_depth / sizes bound the shapes tried (top_ks
+    None: chosen from the drafter's cost); vocabs None: the full vocabulary plus the reduced sizes of
+    vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats."""
+
+    prompts: int = 6
+    new_tokens: int = 64
+    top_ks: tuple[int, ...] | None = None
+    max_depth: int = MAX_DEPTH
+    sizes: tuple[int, ...] = SIZES
+    vocabs: tuple[int, ...] | None = None
+    rounds: int = 5
+    replay_seconds: float = 45.0
+    prompt_texts: tuple[str, ...] | None = None  # None: the shipped calibration prompts
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_rounds(fns: dict, rounds: int, before=None) -> dict:
+    """Median ms of each fn, measured round-robin (every round times each fn once), so that slow drift of a
+    shared machine hits all of them alike. `before` runs untimed ahead of each call (e.g. evicting caches)."""
+    times = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            if before is not None:
+                before()
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            times[key].append((time.perf_counter() - start) * 1000)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]:
+    """The first `count` prompts (the shipped calibration prompts unless `texts`), through the chat template."""
+    texts = list(texts or json.loads(CALIBRATION_FILE.read_text())["prompts"])[:count]
+    if getattr(tokenizer, "chat_template", None):
+        return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)["input_ids"] for t in texts]
+    return [tokenizer(t, return_tensors="pt")["input_ids"] for t in texts]
+
+
+class DraftSetup:
+    """A drafter primed on a context, to time its forwards as the engine runs them."""
+
+    def __init__(self, drafter, context: torch.Tensor, target_hidden: torch.Tensor, room: int):
+        self.drafter = drafter
+        drafter.reset(context.numel() + room)
+        self.logits, self.state = drafter.prefill(context[:-1], context[-1], target_hidden[:-1])
+        self.length = drafter.length
+        self.tokens, self.hidden = context[-3:], target_hidden[-3:]
+
+    def level(self, k: int) -> None:
+        """Level 0 of a tree: the root's top-k children, one draft forward."""
+        d = self.drafter
+        tokens = self.logits.topk(k).indices
+        tokens = tokens if d.draft_vocab is None else d.draft_vocab[tokens]
+        states = None if self.state is None else self.state[None].expand(k, -1)
+        d.forward_level(tokens, states, 0, torch.eye(k, dtype=torch.bool, device=tokens.device))
+        d.rollback()
+
+    def extend(self) -> None:
+        """A catch-up over three accepted tokens, then back."""
+        d = self.drafter
+        d.extend(self.tokens, self.hidden)
+        d.cache.crop(self.length)
+        d.length = self.length
+
+
+def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rounds: int):
+    """verify_ms per tree size, level_ms per (k, v), extend_ms per v; draft forwards run between the timed
+    target forwards, as in the engine (they evict the target's weights from the caches)."""
+    target, drafter = model.base_model, model.drafter
+    device, backend = target.device, getattr(model, "attention", None)
+    ctx = context.to(device)
+    hidden = target_hidden(model, ctx)
+    cache = TreeCache(target.config.num_hidden_layers, ctx.numel() + max(sizes))
+    decoder_forward(target, ctx, cache, causal_mask(0, ctx.numel(), device), torch.arange(ctx.numel(), device=device),
+                    backend)
+    base = ctx.numel()
+    new = ctx[-1:].repeat(max(sizes))
+    lm_head = target.get_output_embeddings()
+
+    def verify(n):
+        lm_head(decoder_forward(target, new[:n], cache, causal_mask(base, n, device),
+                                base + torch.arange(n, device=device), backend))
+        cache.crop(base)
+
+    setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
+    verify(1)
+    verify_ms = timed_rounds({n: (lambda n=n: verify(n)) for n in sizes}, rounds, before=lambda: setup.level(1))
+    level_ms, extend_ms = {}, {}
+    for v, ids in vocabs.items():
+        drafter.draft_head.set_draft_vocab(ids)
+        setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
+        fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
+        fns["extend"] = setup.extend
+        setup.level(1)
+        timed = timed_rounds(fns, rounds, before=lambda: verify(1))
+        extend_ms[v] = timed.pop("extend")
+        level_ms.update({(k, v): t for (_, k), t in timed.items()})
+    drafter.draft_head.set_draft_vocab(None)
+    return verify_ms, level_ms, extend_ms
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def draft_level_cost(model, first) -> tuple[float, float]:
+    """(ms of one draft forward over one node, ms of one plain step of `first`, a plain decoding run)."""
+    context = first.sequences[0].to(model.base_model.device)
+    probe = DraftSetup(model.drafter, context, target_hidden(model, context), room=24)
+    step_ms = 1000 * sum(first.phase_seconds.values()) / first.verify_steps
+    return timed_rounds({1: lambda: probe.level(1)}, 3)[1], step_ms
+
+
+def search_space(settings: TuneSettings, level1: float, step_ms: float, prompts: int) -> tuple[tuple, int]:
+    """The drafter's cost sets the search: a cheap one affords wide trees, an expensive one is replayed on fewer
+    prompts (settings.replay_seconds). Returns (top_ks, prompts to replay)."""
+    top_ks = settings.top_ks or ((1, 2, 4, 8) if level1 < 0.1 * step_ms else
+                                 (1, 2, 4) if level1 < 0.3 * step_ms else (1, 2))
+    per_prompt = max(settings.new_tokens - settings.max_depth - 1, 1)
+    affordable = settings.replay_seconds * 1000 / (per_prompt * level1 * (len(top_ks) * settings.max_depth + 1))
+    return top_ks, max(2, min(prompts, int(affordable)))
+
+
+def draft_vocabularies(model, settings: TuneSettings, cheap: bool) -> dict:
+    """{size v: target ids} of the draft vocabularies to try; 0: the full vocabulary (None). A cheap drafter also
+    tries a second reduced size (vocab.candidate_sizes)."""
+    from eagle_fsd import vocab as vocab_tables
+
+    order = vocab_tables.frequency_order(model.tokenizer)
+    if settings.vocabs is not None:
+        reduced = [v for v in settings.vocabs if v]
+    else:
+        reduced = vocab_tables.candidate_sizes(model.base_model.config.vocab_size, cheap) if order is not None else []
+    return {0: None, **{v: vocab_tables.draft_vocab(order, v).to(model.base_model.device) for v in reduced}}
+
+
+def plain_loop_ms(plain: list) -> float:
+    """The loop's own per-token work in plain decoding runs, beyond the target forward."""
+    steps = sum(o.verify_steps for o in plain)
+    return 1000 * sum(sum(o.phase_seconds.values()) - o.phase_seconds["verify"] for o in plain) / steps
+
+
+def replay_prompts(model, ids, plain, top_ks, settings: TuneSettings, sizes, progress: bool):
+    """Replay rows and root ranks over every prompt's greedy continuation, and the continuations."""
+    from tqdm import tqdm
+
+    rows, ranks, continuations = [], [], []
+    per_prompt = max(settings.new_tokens - settings.max_depth - 1, 1)
+    with tqdm(total=len(ids) * per_prompt, desc="eagle-fsd tune: acceptance replay", disable=not progress,
+              file=sys.stderr) as bar:
+        for x, out in zip(ids, plain):
+            continuations.append(out.sequences[0, x.numel():].tolist())
+            r, rk = replay(model, x, out.sequences[0, x.numel():], top_ks, settings.max_depth, sizes, bar)
+            rows.append(r)
+            ranks += rk
+    return rows, ranks, continuations
+
+
+def measure(model, settings: TuneSettings | None = None, progress: bool = True) -> CostProfile:
+    """Measure a CostProfile for `model` (an EaFsdModel with a drafter) on this machine."""
+    settings = settings or TuneSettings()
+    device = model.base_model.device
+    ids = [x[0].to(device) for x in calibration_prompts(model.tokenizer, settings.prompts, settings.prompt_texts)]
+    with torch.no_grad():
+        first = model.naive_generate(ids[0][None], max_new_tokens=settings.new_tokens, return_dict=True)
+        level1, step_ms = draft_level_cost(model, first)
+        top_ks, prompts = search_space(settings, level1, step_ms, len(ids))
+        ids = ids[:prompts]
+        # the target's own greedy continuations (plain decoding through the loop: also the measured t_plain)
+        plain = [first] + [model.naive_generate(x[None], max_new_tokens=settings.new_tokens, return_dict=True)
+                           for x in ids[1:]]
+        vocabs = draft_vocabularies(model, settings, level1 < 0.2 * step_ms)
+        biggest_pool = max(k + settings.max_depth * k * k for k in top_ks) + 1
+        sizes = tuple(sorted({1} | {n for n in settings.sizes if n <= biggest_pool}))
+        verify_ms, level_ms, extend_ms = measure_costs(model, first.sequences[0], sizes, top_ks, vocabs,
+                                                       settings.rounds)
+        # t_plain = t_verify(1), timed with the other sizes, + the loop's own per-token work
+        plain_ms = verify_ms[1] + plain_loop_ms(plain)
+        rows, ranks, continuations = replay_prompts(model, ids, plain, top_ks, settings, sizes, progress)
+    tau, by_depth = tau_by_shape(rows, continuations, vocabs, top_ks, settings.max_depth)
+    profile = CostProfile(verify_ms, level_ms, extend_ms, 0.0, plain_ms, tau, by_depth,
+                          rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)])
+    profile.overhead_ms = measure_overhead(model, ids[0], profile, settings.new_tokens, vocabs)
+    return profile
+
+
+def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_tokens: int, vocabs: dict) -> float:
+    """The engine's per-step cost beyond the modelled forwards, from real steps at the provisional best shape."""
+    shape, _ = choose_shape(profile)
+    saved = (model.total_token, model.depth, model.top_k)
+    model.set_tree(*shape[:3])
+    model.drafter.draft_head.set_draft_vocab(vocabs[shape[3]])
+    try:
+        runs = [model.generate(prompt[None], max_new_tokens=new_tokens, return_dict=True) for _ in range(3)]
+    finally:
+        model.set_tree(*saved)
+        model.drafter.draft_head.set_draft_vocab(None)
+    # the loop's time outside the target forward, less the modelled draft forwards (t_verify is timed apart)
+    n, d, k, v = shape
+    drafting = d * profile.level_ms[(k, v)] + profile.extend_ms[v]
+    measured = statistics.median(1000 * (sum(o.phase_seconds.values()) - o.phase_seconds["verify"]) / o.verify_steps
+                                 for o in runs)
+    return max(0.0, measured - drafting)

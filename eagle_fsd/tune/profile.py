@@ -1,0 +1,94 @@
+"""The cost model (pure): measured costs and acceptance, the predicted speedup of a tree shape, and its argmax.
+
+    t_step(n, d, k, v) = t_verify(n) + d * t_level(k, v) + t_extend(v) + t_overhead
+    speedup(n, d, k, v) = E[a + 1 | n, d, k, v] * t_plain / t_step(n, d, k, v)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+Shape = tuple[int, int, int, int]  # (total_token n, depth d, top_k k, draft vocabulary size v; 0 = full)
+_KEYED = ("verify_ms", "level_ms", "extend_ms", "tau", "acceptance_by_depth")  # dicts with int / tuple keys
+
+
+@dataclass
+class CostProfile:
+    """Measured costs (milliseconds) and acceptance. Keys of the dicts are ints (tree size, width) or shapes."""
+
+    verify_ms: dict[int, float]                 # target forward + lm_head over n new tokens atop a cache
+    level_ms: dict[tuple[int, int], float]      # (k, v): one draft forward over k tree nodes (+ its lm_head)
+    extend_ms: dict[int, float]                 # v: the drafter's catch-up over a step's accepted tokens
+    overhead_ms: float                          # the engine's own work per speculative step (tree, accept, cache)
+    plain_ms: float                             # one token of plain decoding through the same loop
+    tau: dict[Shape, float]                     # (n, d, k, v) -> E[a + 1], from the replay
+    acceptance_by_depth: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (k, v) -> P(d | d-1)
+    rank_histogram: list[float] = field(default_factory=list)  # P(target's token is the drafter's r-th choice)
+
+    def step_ms(self, shape: Shape) -> float:
+        n, d, k, v = shape
+        return self.verify_ms[n] + d * self.level_ms[(k, v)] + self.extend_ms[v] + self.overhead_ms
+
+    def speedup(self, shape: Shape) -> float:
+        return self.tau[shape] * self.plain_ms / self.step_ms(shape)
+
+    def to_json(self) -> dict:
+        def keyed(d):
+            return {",".join(map(str, k)) if isinstance(k, tuple) else str(k): v for k, v in d.items()}
+
+        out = asdict(self)
+        for name in _KEYED:
+            out[name] = keyed(getattr(self, name))
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "CostProfile":
+        def unkeyed(d):
+            return {tuple(int(x) for x in k.split(",")) if "," in k else int(k): v for k, v in d.items()}
+
+        raw = dict(raw)
+        for name in _KEYED:
+            raw[name] = unkeyed(raw.get(name, {}))
+        return cls(**raw)
+
+
+def choose_shape(profile: CostProfile, total_token: int | None = None, depth: int | None = None,
+                 top_k: int | None = None) -> tuple[Shape, float]:
+    """The shape (n, d, k, v) with the highest predicted speedup (ties: the smaller tree), among those matching the
+    fixed values given. Returns (shape, predicted speedup)."""
+    candidates = [s for s in profile.tau
+                  if (total_token is None or s[0] == total_token) and (depth is None or s[1] == depth)
+                  and (top_k is None or s[2] == top_k) and s[0] in profile.verify_ms
+                  and (s[2], s[3]) in profile.level_ms and s[3] in profile.extend_ms]
+    if not candidates:
+        raise ValueError(f"no measured tree shape has total_token={total_token}, depth={depth}, top_k={top_k}; "
+                         f"measured sizes {sorted(profile.verify_ms)}, top_k {sorted({k for k, _ in profile.level_ms})}, "
+                         f"depth 1..{max(s[1] for s in profile.tau)}: pick from those or re-run `eagle-fsd tune`")
+    best = max(candidates, key=lambda s: (profile.speedup(s), -s[0], -s[1], -s[2], s[3]))
+    return best, profile.speedup(best)
+
+
+@dataclass
+class Tuning:
+    """What the engine uses: the chosen shape, whether to speculate at all, and the plain rate for the guard."""
+
+    shape: Shape                           # total_token, depth, top_k, draft vocabulary size (0: full)
+    predicted_speedup: float
+    plain_ms: float                        # the profile's t_plain and t_verify(n): the speed guard's yardstick
+    verify_ms: dict[int, float]
+    speculate: bool
+    path: str = ""
+
+
+def tuning_from(profile: CostProfile, fixed: dict, path: str = "") -> Tuning:
+    shape, speedup = choose_shape(profile, **fixed)
+    return Tuning(tuple(shape), speedup, profile.plain_ms, dict(profile.verify_ms), speculate=speedup > 1.0,
+                  path=path)
+
+
+def describe(tuning: Tuning) -> str:
+    n, d, k, v = tuning.shape
+    tree = f"tree (total_token, depth, top_k) = ({n}, {d}, {k}), draft vocabulary {v or 'full'}"
+    if tuning.speculate:
+        return f"{tree}; predicted {tuning.predicted_speedup:.2f}x plain decoding"
+    return (f"plain decoding: the best {tree} is predicted at {tuning.predicted_speedup:.2f}x, slower than plain "
+            "(speculation is re-tried from time to time)")

@@ -1,0 +1,78 @@
+"""Profiles cached as JSON per model, drafter, device, dtype and threads, and the engine hook that installs the
+chosen shape (autotune)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from eagle_fsd.tune.measure import TuneSettings, device_name, measure
+from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
+
+TUNE_VERSION = 2
+
+
+def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
+    target = model.base_model
+    drafter_id = drafter_name if isinstance(drafter_name, str) else type(model.drafter).__name__
+    key = {"model": str(base_model), "drafter": str(drafter_id), "device": device_name(target.device),
+           "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+           "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
+    if settings is not None and settings != TuneSettings():
+        key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+    return key
+
+
+def cache_path(key: dict) -> Path:
+    from eagle_fsd.presets import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = Path(key["model"]).name.replace("/", "_")
+    return cache_dir() / "tune" / f"{name}-{digest}.json"
+
+
+def load_or_measure(model, base_model, drafter_name, progress: bool = True, refresh: bool = False,
+                    settings: TuneSettings | None = None) -> tuple[CostProfile, Path]:
+    key = cache_key(model, base_model, drafter_name, settings)
+    path = cache_path(key)
+    if path.is_file() and not refresh:
+        try:
+            return CostProfile.from_json(json.loads(path.read_text())["profile"]), path
+        except (ValueError, KeyError, TypeError):
+            pass  # an unreadable or older cache file: measure again
+    if progress:
+        print(f"eagle-fsd: measuring speculation costs on this machine ({key['device']}, {key['dtype']}, "
+              f"{key['threads']} threads); cached in {path}", file=sys.stderr)
+    profile = measure(model, settings, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
+    tmp.replace(path)
+    return profile, path
+
+
+def apply_tuning(model, tuning: Tuning) -> None:
+    """Install a tuning on an EaFsdModel: its tree, its draft vocabulary and the speed guard's plain rate."""
+    from eagle_fsd import vocab as vocab_tables
+
+    n, d, k, v = tuning.shape
+    model.set_tree(n, d, k)
+    ids = None
+    if v:
+        ids = vocab_tables.draft_vocab(vocab_tables.frequency_order(model.tokenizer), v).to(model.base_model.device)
+    model.drafter.draft_head.set_draft_vocab(ids)
+    model.tuning = tuning
+
+
+def autotune(model, base_model, drafter_name, auto, fixed: dict, progress: bool = True,
+             settings: TuneSettings | None = None) -> Tuning:
+    """Resolve "auto" tree settings of `model` from the (cached) cost profile; install the tuning on the model."""
+    profile, path = load_or_measure(model, base_model, drafter_name, progress=progress, settings=settings)
+    tuning = tuning_from(profile, {k: v for k, v in fixed.items() if k not in auto}, str(path))
+    apply_tuning(model, tuning)
+    if progress:
+        print(f"eagle-fsd: {describe(tuning)}", file=sys.stderr)
+    return tuning
