@@ -4,7 +4,7 @@ Importing this package builds the Triton kernels; on a machine without CUDA set 
 (tests/conftest.py does) so they run in the Triton CPU interpreter.
 """
 
-from .divergence import FUSED_DIVERGENCES, fused_divergence, fused_divergence_available
+from .divergence import FUSED_DIVERGENCES, divergence_reference, fused_divergence, fused_divergence_available
 from .tree_attention import (
     is_interpreting,
     kernel_available,
@@ -23,5 +23,6 @@ __all__ = [
     "kernel_available",
     "fused_divergence",
     "fused_divergence_available",
+    "divergence_reference",
     "FUSED_DIVERGENCES",
 ]
