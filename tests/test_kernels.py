@@ -353,3 +353,19 @@ def test_compiles_for_hopper(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "WGMMA True" in proc.stdout  # Hopper tensor-core path, not a fallback
+
+
+def test_kernels_import_nothing_of_eagle_fsd():
+    """kernels/ is the bottom layer: only relative imports inside the package, torch and triton."""
+    import ast
+    import pathlib
+
+    kernels_dir = pathlib.Path(importlib.import_module("eagle_fsd.kernels").__file__).parent
+    files = sorted(kernels_dir.glob("*.py"))
+    assert len(files) >= 5
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("eagle_fsd") for a in node.names), path
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not node.module.startswith("eagle_fsd"), (path, node.module)
