@@ -139,6 +139,27 @@ def _bucket_top_k(logp: Tensor, logq: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return bucket(logp), bucket(logq)
 
 
+def _broadcast_pair(target_logits: Tensor, draft_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The two inputs broadcast to one shape; ValueError for a missing, empty or mismatched vocab dim."""
+    if target_logits.dim() == 0 or draft_logits.dim() == 0:
+        raise ValueError("target_logits and draft_logits must have a vocab (last) dimension")
+    v_t, v_d = target_logits.shape[-1], draft_logits.shape[-1]
+    if v_t != v_d:
+        raise ValueError(
+            f"vocab size mismatch: target has {v_t} logits, draft has {v_d}; "
+            "call align_vocab(target_logits, draft_logits, vocab_size) first"
+        )
+    if v_t == 0:
+        raise ValueError("vocab dimension is empty (size 0)")
+    try:
+        return torch.broadcast_tensors(target_logits, draft_logits)
+    except RuntimeError as e:
+        raise ValueError(
+            f"leading dims do not broadcast: target {tuple(target_logits.shape)}, "
+            f"draft {tuple(draft_logits.shape)}"
+        ) from e
+
+
 def divergence(
     target_logits: Tensor,
     draft_logits: Tensor,
@@ -168,24 +189,7 @@ def divergence(
         raise ValueError(f"unknown divergence {name!r}; valid names: {', '.join(DIVERGENCES)}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if target_logits.dim() == 0 or draft_logits.dim() == 0:
-        raise ValueError("target_logits and draft_logits must have a vocab (last) dimension")
-    v_t, v_d = target_logits.shape[-1], draft_logits.shape[-1]
-    if v_t != v_d:
-        raise ValueError(
-            f"vocab size mismatch: target has {v_t} logits, draft has {v_d}; "
-            "call align_vocab(target_logits, draft_logits, vocab_size) first"
-        )
-    if v_t == 0:
-        raise ValueError("vocab dimension is empty (size 0)")
-    try:
-        target_logits, draft_logits = torch.broadcast_tensors(target_logits, draft_logits)
-    except RuntimeError as e:
-        raise ValueError(
-            f"leading dims do not broadcast: target {tuple(target_logits.shape)}, "
-            f"draft {tuple(draft_logits.shape)}"
-        ) from e
-
+    target_logits, draft_logits = _broadcast_pair(target_logits, draft_logits)
     logp = torch.log_softmax(target_logits.float(), dim=-1)
     logq = torch.log_softmax(draft_logits.float(), dim=-1)
     # Rows with NaN after log_softmax (NaN / +inf logit, all −inf row) → NaN output for that row.

@@ -1,4 +1,19 @@
-"""Fuzzy Speculative Decoding settings and the per-node divergences it thresholds."""
+"""Fuzzy Speculative Decoding: its settings, the per-node divergences it thresholds, and its tree rule.
+
+At a node n with children, with D_n = Div(p_n, q_n) -- one value per node, since all children of n share n's context
+and hence one target and one draft distribution:
+  reducible: run the lossless rule; if no child matches and D_n < T, accept the top-ranked child instead of
+             stopping with the residual sample. T = 0 is exactly the lossless rule. T = inf accepts the top-ranked
+             child whenever no child matches, whatever D_n is, +inf included (D < T read as "D is a number").
+  original:  if D_n <= T accept the top-ranked child, whatever the target chose; else stop and emit the target's
+             sample at n (no residual; for the paper's parity). T = inf accepts the top-ranked child always.
+A NaN D_n (a node whose divergence was not computed) never accepts fuzzily, at any T.
+The top-ranked child is the one with the highest draft score (EAGLE's first sibling, argmax q_n when it survived
+pruning): FSD's premise is that when q_n is close to p_n, the draft's own best guess is an acceptable token.
+
+The rule only relaxes the target's choices; tree/accept.py walks the tree with them (see there for why the lossless
+walk is exact).
+"""
 from __future__ import annotations
 
 import math
@@ -7,10 +22,35 @@ from dataclasses import dataclass
 import torch
 
 from eagle_fsd.divergence import DIVERGENCES, align_vocab, divergence
-from eagle_fsd.tree.accept import FSD_MODES
+from eagle_fsd.tree.accept import Step, accept, top_child
 from eagle_fsd.tree.dynamic import DraftTree
 
 DISTRIBUTIONS = ("raw", "processed")
+
+
+def reducible_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: torch.Tensor, threshold: float):
+    """Lossless rule first; where no child matches and D < T, the top-ranked child instead. Nothing is blocked."""
+    child = top_child(tree)
+    parents = tree.parents[1:]
+    child_matches = (tree.tokens[1:] == target_choice[parents]).long()
+    matched = torch.zeros_like(child).scatter_reduce_(0, parents, child_matches, "amax").bool()
+    # D < T, except that T = inf admits D = +inf too: every D but NaN. Compared in float64: a T beyond float32's
+    # range would round to inf against float32 divergences.
+    close = ~divergences.isnan() if threshold == math.inf else divergences.double() < threshold
+    fuzzy = (child >= 0) & ~matched & close
+    return torch.where(fuzzy, tree.tokens[child.clamp(min=0)], target_choice), None
+
+
+def original_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: torch.Tensor, threshold: float):
+    """The paper's rule: where D <= T the top-ranked child, whatever the target chose; elsewhere every child is
+    blocked (the step stops with the target's choice)."""
+    child = top_child(tree)
+    take = (child >= 0) & (divergences.double() <= threshold)  # +inf <= inf holds; NaN <= T never does
+    return torch.where(take, tree.tokens[child.clamp(min=0)], target_choice), ~take
+
+
+FUZZY_RULES = {"reducible": reducible_choices, "original": original_choices}
+FSD_MODES = tuple(FUZZY_RULES)
 
 
 @dataclass(frozen=True)
@@ -49,6 +89,21 @@ class FsdConfig:
         return self.threshold is not None
 
 
+def resolve_fsd(fsd: FsdConfig | None, fsd_threshold: float | None) -> FsdConfig:
+    """generate's two spellings: a whole FsdConfig, or fsd_threshold=T as the shortcut for FsdConfig(threshold=T)."""
+    if fsd is not None and fsd_threshold is not None:
+        raise ValueError(f"pass either fsd=FsdConfig(...) or fsd_threshold={fsd_threshold!r}, not both (put the "
+                         "threshold in the FsdConfig)")
+    return fsd if fsd is not None else FsdConfig(threshold=fsd_threshold)
+
+
+def fuzzy_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: torch.Tensor, threshold: float,
+                  mode: str = "reducible"):
+    """Apply the FSD rule of `mode` (one of FSD_MODES, checked by FsdConfig) to the target's choices. Returns
+    (choice, blocked): the choice to walk the tree with, and (original mode) nodes whose children are all rejected."""
+    return FUZZY_RULES[mode](tree, target_choice, divergences, threshold)
+
+
 def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfig, vocab_size: int,
                      processor=None) -> torch.Tensor:
     """(n,) D_n = Div(p_n, q_n) for every expanded node, NaN for the others (never accepted fuzzily).
@@ -61,9 +116,19 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfi
     if fsd.distributions == "processed" and processor is not None:
         target, draft = processor(None, target), processor(None, draft.clone())
     if fsd.top_k is None and target.is_cuda:
-        from eagle_fsd.kernels import fused_divergence
+        from eagle_fsd.kernels import FUSED_DIVERGENCES, fused_divergence
 
-        div = fused_divergence(target, draft, fsd.divergence)
-    else:
-        div = divergence(target, draft, fsd.divergence, top_k=fsd.top_k)
-    return torch.where(tree.dist_index >= 0, div, float("nan"))
+        if fsd.divergence in FUSED_DIVERGENCES:
+            return torch.where(tree.dist_index >= 0, fused_divergence(target, draft, fsd.divergence), math.nan)
+    div = divergence(target, draft, fsd.divergence, top_k=fsd.top_k)
+    return torch.where(tree.dist_index >= 0, div, math.nan)
+
+
+def fsd_accept(tree: DraftTree, target_logits: torch.Tensor, target_choice: torch.Tensor, fsd: FsdConfig | None,
+               vocab_size: int, processor=None) -> Step:
+    """One verification step's acceptance: the lossless walk, relaxed by the FSD rule when FSD is on."""
+    if fsd is None or not fsd.active or tree.size == 1:
+        return accept(tree, target_choice)
+    divergences = node_divergences(tree, target_logits, fsd, vocab_size, processor)
+    choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
+    return accept(tree, choice, blocked, target_choice, divergences)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +12,10 @@ from eagle_fsd.attention import ATTENTION_NAME, check_attention_support, check_b
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_head
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
-from eagle_fsd.fsd import FsdConfig, node_divergences
+from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
+from eagle_fsd.guard import PhaseClock, SpeedGuard
 from eagle_fsd.sampling import choose_tokens, logits_processor
-from eagle_fsd.tree.accept import accept, acceptance_by_depth, fuzzy_choices
+from eagle_fsd.tree.accept import Step, acceptance_by_depth, tokens_per_step
 from eagle_fsd.tree.dynamic import chain_tree
 
 
@@ -40,7 +40,7 @@ class GenerateOutput:
     @property
     def tau(self) -> float:
         """Mean tokens per verification forward, bonus token included (SGLang/vLLM/EAGLE convention)."""
-        return sum(a + 1 for a in self.accept_lengths) / max(len(self.accept_lengths), 1)
+        return tokens_per_step(sum(self.accept_lengths), len(self.accept_lengths))
 
     @property
     def fuzzy_fraction(self) -> float:
@@ -51,6 +51,46 @@ class GenerateOutput:
         """[d-1] = P(a draft token at depth d is accepted | its parent was), over all steps."""
         return acceptance_by_depth(self.accept_lengths)
 
+    def record(self, step: Step, plain: bool) -> None:
+        """Add one verification step's statistics (its tokens go through EaFsdModel._emit)."""
+        self.accept_lengths.append(step.accept_length)
+        self.fuzzy_accepts.append(step.fuzzy)
+        self.divergences.append(step.divergences)
+        self.plain_steps += plain
+
+    def finish(self, input_ids: torch.Tensor, generated: list[int], seconds: float, phase_seconds: dict) -> None:
+        new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
+        self.sequences = torch.cat([input_ids, new_ids], dim=1)
+        self.new_tokens, self.verify_steps = len(generated), len(self.accept_lengths)
+        self.wall_time, self.phase_seconds = seconds, phase_seconds
+
+
+class DrafterReader:
+    """Where the drafter has read up to: its logits and state at the current root, and the tokens decoded plainly
+    (with the target's hidden states) that it has not read yet (the speed guard skips drafting for a while)."""
+
+    def __init__(self, drafter, max_len: int, prompt: torch.Tensor, root: torch.Tensor, hidden: torch.Tensor):
+        self.drafter = drafter
+        drafter.reset(max_len)
+        self.root_logits, self.root_state = drafter.prefill(prompt, root, hidden)
+        self.behind: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def at_root(self):
+        """(logits, state) at the root; back from plain decoding, the drafter first reads what it missed, in one
+        forward."""
+        if self.behind:
+            self.root_logits, self.root_state = self.drafter.extend(torch.cat([t for t, _ in self.behind]),
+                                                                    torch.cat([h for _, h in self.behind]))
+            self.behind.clear()
+        return self.root_logits, self.root_state
+
+    def read(self, tokens: torch.Tensor, hidden: torch.Tensor, speculated: bool) -> None:
+        """The step's emitted tokens and their target hidden states: read now, or queued for the next draft."""
+        if speculated:
+            self.root_logits, self.root_state = self.drafter.extend(tokens, hidden)
+        else:
+            self.behind.append((tokens, hidden))
+
 
 def eos_token_ids(model, eos_token_id=None) -> set[int]:
     """The stop tokens: `eos_token_id` (an id or a list) if given, else the model's generation config's."""
@@ -58,64 +98,6 @@ def eos_token_ids(model, eos_token_id=None) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
-
-class PhaseClock:
-    """Wall time per phase of the loop: lap(name) charges the time since the previous lap to `name`.
-    On CUDA the laps synchronise only when asked to (profiling), so that timing never slows a normal run."""
-
-    def __init__(self, sync: bool = False):
-        self.seconds: dict[str, float] = {}
-        self.sync = sync and torch.cuda.is_available()
-        self.last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        if self.sync:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
-        self.last = now
-
-
-class SpeedGuard:
-    """Never slower than plain decoding. Each step's target forward is timed, and the cost profile's t_verify(n)
-    and t_plain turn that into what plain decoding would cost right now, whatever else loads the machine:
-        plain_equivalent(step) = tokens * t_plain * (measured verify time / t_verify(n)).
-    When the last `window` speculative steps took `margin` longer than their plain equivalent, the next `backoff`
-    tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses). The
-    window and margin keep a few unlucky steps of a speculation that pays on average from switching it off.
-    plain_ms None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss)."""
-
-    def __init__(self, plain_ms: float | None = None, verify_ms: dict[int, float] | None = None, window: int = 16,
-                 backoff: int = 32, start_plain: bool = False, margin: float = 0.05):
-        self.plain_ms, self.verify_ms = plain_ms, verify_ms or {}
-        self.window, self.backoff, self.margin = window, backoff, margin
-        self.recent: deque[tuple[float, float]] = deque(maxlen=window)  # (seconds, plain-equivalent seconds)
-        self.plain_left = backoff if start_plain and plain_ms is not None else 0
-
-    def speculate(self) -> bool:
-        return self.plain_left <= 0
-
-    def _slowdown(self, verify_seconds: float, tree_size: int) -> float:
-        """Measured / profiled verification time: how much slower the machine runs now than when tuned."""
-        if not self.verify_ms:
-            return 1.0
-        n = min(self.verify_ms, key=lambda m: (abs(m - tree_size), m))
-        return 1000 * verify_seconds / self.verify_ms[n] * (n / tree_size if n > tree_size else 1.0)
-
-    def record(self, speculative: bool, tokens: int, seconds: float, verify_seconds: float = 0.0,
-               tree_size: int = 1) -> None:
-        if self.plain_ms is None:
-            return
-        if not speculative:
-            self.plain_left -= tokens
-            return
-        plain_equivalent = tokens * self.plain_ms / 1000 * self._slowdown(verify_seconds, tree_size)
-        self.recent.append((seconds, plain_equivalent))
-        if (len(self.recent) == self.window
-                and sum(s for s, _ in self.recent) > (1 + self.margin) * sum(p for _, p in self.recent)):
-            self.plain_left, self.backoff = self.backoff, 2 * self.backoff
-            self.recent.clear()
 
 
 class EaFsdModel(torch.nn.Module):
@@ -156,11 +138,8 @@ class EaFsdModel(torch.nn.Module):
         from eagle_fsd.tune import resolve_dtype
 
         check_backend(attention)
-        preset = base_model in presets.PRESETS
-        total_token, depth, top_k = (("auto" if preset else default) if value is None else value
-                                     for value, default in ((total_token, 60), (depth, 5), (top_k, 10)))
+        total_token, depth, top_k = cls._tree_settings(base_model in presets.PRESETS, total_token, depth, top_k)
         auto = [name for name, v in (("total_token", total_token), ("depth", depth), ("top_k", top_k)) if v == "auto"]
-        cls._check_tree_args(*(1 if v == "auto" else v for v in (total_token, depth, top_k)))  # fail before loading
         path = presets.resolve_model(base_model)
         if dtype == "auto":
             from transformers import AutoConfig
@@ -194,6 +173,14 @@ class EaFsdModel(torch.nn.Module):
                      fixed=dict(total_token=total_token, depth=depth, top_k=top_k), progress=tune_progress)
         return model
 
+    @classmethod
+    def _tree_settings(cls, preset: bool, total_token, depth, top_k):
+        """Unset values: "auto" for a preset, else EAGLE's defaults; checked before anything loads."""
+        settings = tuple(("auto" if preset else default) if value is None else value
+                         for value, default in ((total_token, 60), (depth, 5), (top_k, 10)))
+        cls._check_tree_args(*(1 if v == "auto" else v for v in settings))
+        return settings
+
     def set_tree(self, total_token: int, depth: int, top_k: int) -> None:
         self._check_tree_args(total_token, depth, top_k)
         self.total_token, self.depth, self.top_k = total_token, depth, top_k
@@ -212,20 +199,18 @@ class EaFsdModel(torch.nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None,
-                 fsd_threshold: float | None = None, fsd_divergence: str = "kl_qp", fsd_mode: str = "reducible",
-                 fsd_distributions: str = "raw", fsd_top_k: int | None = None, fsd: FsdConfig | None = None,
-                 profile: bool = False):
-        """Speculative decoding. Without FSD (fsd_threshold=None) greedy output is token-for-token the target's own
-        greedy output and sampling output follows the target's processed distribution exactly. With a threshold T,
-        a draft token is also accepted when Div(target, draft) at its parent is under T (see tree/accept.py); `fsd`
-        takes the same settings as one FsdConfig. With tuned (auto) settings a speed guard decodes plainly while
-        speculation measures slower than plain decoding (`GenerateOutput.plain_steps`); output is unchanged by it.
+                 fsd_threshold: float | None = None, fsd: FsdConfig | None = None, profile: bool = False):
+        """Speculative decoding. Without FSD (fsd=None, fsd_threshold=None) greedy output is token-for-token the
+        target's own greedy output and sampling output follows the target's processed distribution exactly. With
+        fsd=FsdConfig(threshold=T, ...), a draft token is also accepted when Div(target, draft) at its parent is under
+        T (see eagle_fsd/fsd.py); fsd_threshold=T is short for fsd=FsdConfig(threshold=T) (pass one or the other).
+        With tuned (auto) settings a speed guard decodes plainly while speculation measures slower than plain
+        decoding (`GenerateOutput.plain_steps`); output is unchanged by it.
         profile: on CUDA, synchronise at each phase so that `phase_seconds` is exact."""
         if self.drafter is None:
             raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
                              "or use naive_generate for plain decoding")
-        if fsd is None:
-            fsd = FsdConfig(fsd_threshold, fsd_divergence, fsd_mode, fsd_distributions, fsd_top_k)
+        fsd = resolve_fsd(fsd, fsd_threshold)
         return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
                               return_dict, eos_token_id, fsd, profile)
 
@@ -280,79 +265,68 @@ class EaFsdModel(torch.nn.Module):
         processor = logits_processor(temperature, top_p, top_k)
         self._check_generate_args(input_ids, max_new_tokens)
         start = time.perf_counter()
-        model = self.base_model
-        device = model.device
-        prompt = input_ids[0].to(device)
-        eos = eos_token_ids(model, eos_token_id)
+        prompt = input_ids[0].to(self.base_model.device)
+        eos = eos_token_ids(self.base_model, eos_token_id)
         tree_room = self.total_token + 1 if drafter is not None else 1
-        cache = TreeCache(model.config.num_hidden_layers, prompt.numel() + max_new_tokens + tree_room)
+        cache = TreeCache(self.base_model.config.num_hidden_layers, prompt.numel() + max_new_tokens + tree_room)
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
         # Prefill: the target reads the prompt and chooses the first new token, which roots the first tree.
         n = prompt.numel()
-        hidden = decoder_forward(model, prompt, cache, causal_mask(0, n, device), torch.arange(n, device=device))
-        root = choose_tokens(model.get_output_embeddings()(hidden[-1:]), processor)[0]
+        hidden = decoder_forward(self.base_model, prompt, cache, causal_mask(0, n, prompt.device),
+                                 torch.arange(n, device=prompt.device))
+        root = choose_tokens(self.base_model.get_output_embeddings()(hidden[-1:]), processor)[0]
+        reader = None
         if drafter is not None:
-            drafter.reset(cache.max_len + self.depth * self.top_k)
-            root_logits, root_state = drafter.prefill(prompt, root, hidden)
+            reader = DrafterReader(drafter, cache.max_len + self.depth * self.top_k, prompt, root, hidden)
 
         generated: list[int] = []
         out = GenerateOutput(sequences=input_ids)
         done = self._emit(generated, out.fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
         guard = self._speed_guard() if drafter is not None else None
-        behind: list[tuple[torch.Tensor, torch.Tensor]] = []  # tokens decoded plainly that the drafter has not read
         clock = PhaseClock(sync=profile)
         while not done:
             step_start = clock.last
             speculate = drafter is not None and guard.speculate()
-            if speculate and behind:  # back from plain decoding: the drafter reads what it missed, in one forward
-                root_logits, root_state = drafter.extend(torch.cat([t for t, _ in behind]),
-                                                         torch.cat([h for _, h in behind]))
-                behind.clear()
-            if speculate:
-                tree = grow_tree(drafter, root, root_logits, root_state, self.total_token, self.depth, self.top_k)
-            else:
-                tree = chain_tree(root.reshape(1))
+            tree = self._draft(reader, root) if speculate else chain_tree(root.reshape(1))
             clock.lap("draft")
-            committed = cache.get_seq_length()
-            logits, hidden = self._verify(tree, cache)
-            verify_start = clock.last
-            clock.lap("verify")
-            verify_seconds = clock.last - verify_start
-            step = self._accept(tree, logits, processor, fsd)
-            clock.lap("accept")
-            if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
-                cache.crop(committed + step.accept_length + 1)
-            else:
-                cache.keep(committed, step.path)
-            clock.lap("cache")
-            out.accept_lengths.append(step.accept_length)
-            out.fuzzy_accepts.append(step.fuzzy)
-            out.divergences.append(step.divergences)
-            out.plain_steps += drafter is not None and not speculate
+            step, hidden, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock)
+            out.record(step, plain=drafter is not None and not speculate)
             done = self._emit(generated, out.fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
             root = step.next_token
             clock.lap("other")
-            if not done and drafter is not None:
-                new = torch.tensor(step.tokens, device=device)
-                if speculate:
-                    root_logits, root_state = drafter.extend(new, hidden[step.path])
-                else:
-                    behind.append((new, hidden[step.path]))
+            if not done and reader is not None:
+                reader.read(torch.tensor(step.tokens, device=prompt.device), hidden[step.path], speculated=speculate)
                 clock.lap("draft")
             if guard is not None:
                 guard.record(speculate, len(step.tokens), clock.last - step_start, verify_seconds, tree.size)
-        out.phase_seconds = clock.seconds
-
         if streamer is not None:
             streamer.end()
-        new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
-        out.sequences = torch.cat([input_ids, new_ids], dim=1)
-        out.new_tokens = len(generated)
-        out.verify_steps = len(out.accept_lengths)
-        out.wall_time = time.perf_counter() - start
+        out.finish(input_ids, generated, time.perf_counter() - start, clock.seconds)
         return out if return_dict else out.sequences
+
+    def _draft(self, reader: DrafterReader, root: torch.Tensor):
+        """The next draft tree, after the drafter caught up on what it missed."""
+        root_logits, root_state = reader.at_root()
+        return grow_tree(reader.drafter, root, root_logits, root_state, self.total_token, self.depth, self.top_k)
+
+    def _verify_and_accept(self, tree, cache: TreeCache, processor, fsd: FsdConfig | None, clock: PhaseClock):
+        """One target forward over the tree, acceptance, and the cache cut to the accepted path:
+        (step, the tree's hidden states, verify seconds)."""
+        committed = cache.get_seq_length()
+        logits, hidden = self._verify(tree, cache)
+        verify_start = clock.last
+        clock.lap("verify")
+        verify_seconds = clock.last - verify_start
+        step = self._accept(tree, logits, processor, fsd)
+        clock.lap("accept")
+        if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
+            cache.crop(committed + step.accept_length + 1)
+        else:
+            cache.keep(committed, step.path)
+        clock.lap("cache")
+        return step, hidden, verify_seconds
 
     def _speed_guard(self) -> SpeedGuard:
         """The never-slower-than-plain guard: on with tuned settings (it needs the measured plain rate)."""
@@ -371,12 +345,7 @@ class EaFsdModel(torch.nn.Module):
         return self.base_model.get_output_embeddings()(hidden), hidden
 
     def _accept(self, tree, logits, processor, fsd: FsdConfig | None):
-        target_choice = choose_tokens(logits, processor)
-        if fsd is None or not fsd.active or tree.size == 1:
-            return accept(tree, target_choice)
-        divergences = node_divergences(tree, logits, fsd, self.vocab_size, processor)
-        choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
-        return accept(tree, choice, blocked, target_choice, divergences)
+        return fsd_accept(tree, logits, choose_tokens(logits, processor), fsd, self.vocab_size, processor)
 
     @staticmethod
     def _emit(generated: list[int], fuzzy_mask: list[bool], new: list[int], new_fuzzy: list[bool], eos: set[int],

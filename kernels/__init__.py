@@ -1,10 +1,11 @@
-"""Triton kernels: tree attention and fused divergences.
+"""Triton kernels: tree attention and fused divergences, each with a float64 torch reference.
 
-Importing this package builds the Triton kernels; on a machine without CUDA set ``TRITON_INTERPRET=1`` first
+Self-contained: nothing here imports the rest of eagle_fsd (FSD checks that the names in FUSED_DIVERGENCES are among
+its own). Importing this package builds the Triton kernels; on a machine without CUDA set ``TRITON_INTERPRET=1`` first
 (tests/conftest.py does) so they run in the Triton CPU interpreter.
 """
 
-from .divergence import FUSED_DIVERGENCES, fused_divergence, fused_divergence_available
+from .divergence import FUSED_DIVERGENCES, divergence_reference, fused_divergence, fused_divergence_available
 from .tree_attention import (
     is_interpreting,
     kernel_available,
@@ -23,5 +24,6 @@ __all__ = [
     "kernel_available",
     "fused_divergence",
     "fused_divergence_available",
+    "divergence_reference",
     "FUSED_DIVERGENCES",
 ]

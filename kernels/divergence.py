@@ -4,9 +4,10 @@ What it computes
 ----------------
 ``fused_divergence(target_logits, draft_logits, name)`` returns, for every row (tree node), the divergence ``name``
 between p = softmax(target row) and q = softmax(draft row): the same quantity, numerics and edge cases as
-:func:`eagle_fsd.divergence.divergence` with ``top_k=None`` (its module docstring defines them; names are
-``eagle_fsd.divergence.DIVERGENCES``: kl_qp, kl_pq, jsd, jsd_bits, tv, legacy_js), without materialising any (N, V)
-float32 intermediate. The top-k variants stay in torch (``divergence(..., top_k=K)``).
+:func:`divergence_reference` (float64 torch, this module) and FSD's float32 torch divergences
+(eagle_fsd/divergence.py, whose docstring defines them), without materialising any (N, V) float32 intermediate. Names:
+``FUSED_DIVERGENCES`` = kl_qp, kl_pq, jsd, jsd_bits, tv, legacy_js. Top-k variants are not fused (FSD does them in
+torch).
 
 Shapes and layouts:
     target_logits, draft_logits: (..., V), same shape (leading dims may broadcast, as in the reference: an expanded
@@ -30,271 +31,28 @@ Limits
   clamped to the mathematical range (NaN survives the clamp). Identical inputs give exactly 0 (both rows run through the
   same float operations, so ln p == ln q bit for bit and every term is 0).
 * Devices: CUDA, or CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is
-  imported). Everything else raises; :func:`eagle_fsd.divergence.divergence` is the fallback there.
+  imported). Everything else raises; the torch divergences are the fallback there.
 * Tested hardware: not yet timed on a GPU. Correctness is tested on CPU under the Triton interpreter (fp32, fp16, bf16
   via the upcast); the kernels are compiled (not run) for sm_90 in the tests (16-byte loads, no spills).
-  ``python -m eagle_fsd.kernels.gpu_check`` runs a bf16 parity check and times the kernel against the torch reference
+  ``python -m eagle_fsd.eval.gpu_check`` runs a bf16 parity check and times the kernel against the torch reference
   on a GPU.
 
-Design
-------
-Two passes over the vocabulary, both streaming in BLOCK_V tiles (no (N, V) temporaries):
-
-* pass 1, online logsumexp of both rows at once: a scalar running max per row (one ``tl.max`` per tile) and a per-lane
-  running sum of exp(x - max), rescaled when the max grows; one ``exp`` per element. -inf maxima are handled
-  explicitly (no -inf - -inf), so an all -inf row ends with sum 0 and is flagged; a NaN or +inf logit makes the sum NaN
-  and the row is flagged.
-* pass 2, the reduction: per token ln p = (x_t - max_t) - ln Z_t, ln q likewise (torch's log_softmax formula), the
-  reference's per-token term (``where(a == 0, 0, a * (ln a - ln b))`` etc.; for jsd / legacy_js ln m = ln((p + q)/2)
-  = max(ln p, ln q) + ln(1 + exp(-|ln p - ln q|)) - ln 2, and ln m = ln p exactly where ln p == ln q), accumulated per
-  lane and summed once at the end; then the clamp and the NaN flag.
-
-Why two passes and not one pass with online rescaling: only the two KL's decompose
-(KL(q||p) = sum q (x_d - x_t) / Z_d - lse_d + lse_t); jsd, tv and legacy_js need the normalised p and q of every token
-(|p - q|, ln((p + q)/2)), so they need the normalisers first. Even for KL the single-pass form subtracts two large
-numbers (lse_d - lse_t against sum q (x_d - x_t), both ~|logit| in size) and loses ~|logit| * 1e-7 absolute, where the
-two-pass form keeps the reference's per-token accuracy. The second pass re-reads the rows; on a GPU they should mostly
-still be in L2 (64 rows x 152k x 2 inputs x bf16 = 39 MB < 50 MB L2 on H100/H200), and every name uses the same passes.
-
-Tiling and split-V (designed for an H100/H200; not yet timed):
-
-* Every pass loops over full BLOCK_V tiles with unmasked loads (they compile to 16-byte vector loads) and finishes
-  with one masked tail tile, so V need not be a multiple of anything.
-* With one split, one program per row runs both passes and writes the result: one launch.
-* With few rows (a 64-node tree gives 64 programs for 132 SMs), the vocabulary is cut into S chunks (multiples of
-  BLOCK_V, >= 4 tiles each) so there are about 4 programs per SM: kernel 1 writes each chunk's (max, sum-exp) pair for
-  both rows to a float32 workspace; kernel 2 (one program per row x chunk) merges the S pairs of its row into the
-  row's normaliser and reduces its chunk into a partial sum; kernel 3 sums the S partials per row, clamps and flags NaN.
-  Three launches, all deterministic (no atomics). ``num_splits`` forces S.
-* GPU config: BLOCK_V = 2048, 8 warps (8 consecutive elements per thread per tile: 16-byte bf16 loads), fixed, not
-  autotuned (a memory-bound streaming reduction; the alternatives are timed by gpu_check). Under the interpreter
-  BLOCK_V = 1024 and one split unless forced. ``config={"BLOCK_V": ..., "num_warps": ...}`` overrides.
+The kernels and their design: divergence_triton.py.
 """
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
 
-from eagle_fsd.divergence import DIVERGENCES
-
+from .divergence_triton import _div_combine_kernel, _div_fused_kernel, _div_partial_kernel, _div_stats_kernel
 from .tree_attention import _next_pow2, kernel_available
 
-__all__ = ["fused_divergence", "fused_divergence_available", "FUSED_DIVERGENCES"]
+__all__ = ["fused_divergence", "fused_divergence_available", "divergence_reference", "FUSED_DIVERGENCES"]
 
-FUSED_DIVERGENCES = DIVERGENCES  # every full-vocabulary name of the reference
-_LN2 = tl.constexpr(0.6931471805599453)
-_NEG_INF = tl.constexpr(float("-inf"))
-_NAN = tl.constexpr(float("nan"))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Triton kernels
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _lse_step(m, l_vec, x):
-    """Online logsumexp step: m is the scalar running max (-inf before any finite value), l_vec the per-lane sum of
-    exp(x - m). Never evaluates -inf - -inf; a NaN or +inf x makes l_vec NaN (the row is then flagged)."""
-    m_new = tl.maximum(m, tl.max(x, 0))
-    m_safe = tl.where(m_new == _NEG_INF, 0.0, m_new)
-    l_vec = l_vec * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-    return m_new, l_vec
-
-
-@triton.jit
-def _load_tile(ptr, stride, offs, ok, MASKED: tl.constexpr):
-    """A BLOCK_V tile of one row as float32 (upcast right after the load; padding lanes -inf). Full tiles are loaded
-    unmasked so they vectorise (16-byte loads); the tail tile is masked."""
-    if MASKED:
-        # other=0 then -inf in float32: an `other` of -inf cast to bf16 is wrong under the interpreter
-        x = tl.where(ok, tl.load(ptr + offs * stride, mask=ok, other=0.0).to(tl.float32), _NEG_INF)
-    else:
-        x = tl.load(ptr + offs * stride).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _row_stats(t_ptr, d_ptr, stride_tv, stride_dv, n, BLOCK_V: tl.constexpr):
-    """Pass 1 over n tokens of a target row and a draft row: (max_t, sumexp_t, max_d, sumexp_d)."""
-    offs = tl.arange(0, BLOCK_V)
-    m_t = tl.max(tl.full([BLOCK_V], _NEG_INF, tl.float32), 0)  # scalar -inf (a tensor: loop-carried)
-    m_d = m_t
-    l_t = tl.zeros([BLOCK_V], dtype=tl.float32)
-    l_d = tl.zeros([BLOCK_V], dtype=tl.float32)
-    n_full = n // BLOCK_V
-    for _ in range(0, n_full):
-        m_t, l_t = _lse_step(m_t, l_t, _load_tile(t_ptr, stride_tv, offs, offs, False))
-        m_d, l_d = _lse_step(m_d, l_d, _load_tile(d_ptr, stride_dv, offs, offs, False))
-        t_ptr += BLOCK_V * stride_tv
-        d_ptr += BLOCK_V * stride_dv
-    tail = n - n_full * BLOCK_V
-    if tail > 0:
-        ok = offs < tail
-        m_t, l_t = _lse_step(m_t, l_t, _load_tile(t_ptr, stride_tv, offs, ok, True))
-        m_d, l_d = _lse_step(m_d, l_d, _load_tile(d_ptr, stride_dv, offs, ok, True))
-    return m_t, tl.sum(l_t, 0), m_d, tl.sum(l_d, 0)
-
-
-@triton.jit
-def _normaliser(m, l):
-    """(shift, ln Z, ok) with ln softmax(x) = (x - shift) - ln Z; ok is False for a NaN sum (NaN / +inf logit) and for
-    an empty one (all -inf row)."""
-    ok = l > 0.0
-    shift = tl.where(m == _NEG_INF, 0.0, m)
-    logz = tl.log(tl.where(ok, l, 1.0))
-    return shift, logz, ok
-
-
-@triton.jit
-def _terms(logp, logq, NAME: tl.constexpr):
-    """Per-token summand (before the final 0.5 factor of jsd / tv / legacy_js), exactly the reference's terms."""
-    if NAME == "kl_qp":
-        q = tl.exp(logq)
-        r = tl.where(q == 0.0, 0.0, q * (logq - logp))
-    elif NAME == "kl_pq":
-        p = tl.exp(logp)
-        r = tl.where(p == 0.0, 0.0, p * (logp - logq))
-    elif NAME == "tv":
-        r = tl.abs(tl.exp(logp) - tl.exp(logq))
-    else:
-        # ln m = logaddexp(ln p, ln q) - ln 2, and exactly ln p where ln p == ln q (also covers -inf, -inf)
-        hi = tl.maximum(logp, logq)
-        logm = tl.where(logp == logq, logp, hi + tl.log(1.0 + tl.exp(-tl.abs(logp - logq))) - _LN2)
-        if NAME == "legacy_js":
-            mm = tl.exp(logm)
-            r = tl.where(mm == 0.0, 0.0, mm * ((logm - logp) + (logm - logq)))
-        else:  # jsd, jsd_bits
-            p = tl.exp(logp)
-            q = tl.exp(logq)
-            r = tl.where(p == 0.0, 0.0, p * (logp - logm)) + tl.where(q == 0.0, 0.0, q * (logq - logm))
-    return r
-
-
-@triton.jit
-def _tile_terms(t, d, shift_t, logz_t, shift_d, logz_d, NAME: tl.constexpr):
-    logp = (t - shift_t) - logz_t
-    logq = (d - shift_d) - logz_d
-    return _terms(logp, logq, NAME)
-
-
-@triton.jit
-def _row_sum(t_ptr, d_ptr, stride_tv, stride_dv, n, shift_t, logz_t, shift_d, logz_d,
-             NAME: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Pass 2 over n tokens: sum of the per-token terms (padding lanes are -inf in both rows: every term is 0)."""
-    offs = tl.arange(0, BLOCK_V)
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    n_full = n // BLOCK_V
-    for _ in range(0, n_full):
-        t = _load_tile(t_ptr, stride_tv, offs, offs, False)
-        d = _load_tile(d_ptr, stride_dv, offs, offs, False)
-        acc += _tile_terms(t, d, shift_t, logz_t, shift_d, logz_d, NAME)
-        t_ptr += BLOCK_V * stride_tv
-        d_ptr += BLOCK_V * stride_dv
-    tail = n - n_full * BLOCK_V
-    if tail > 0:
-        ok = offs < tail
-        t = _load_tile(t_ptr, stride_tv, offs, ok, True)
-        d = _load_tile(d_ptr, stride_dv, offs, ok, True)
-        acc += _tile_terms(t, d, shift_t, logz_t, shift_d, logz_d, NAME)
-    return tl.sum(acc, 0)
-
-
-@triton.jit
-def _finish(s, NAME: tl.constexpr):
-    """Row sum -> divergence, clamped to its range with comparisons (tl.maximum/minimum may drop NaN on a GPU)."""
-    if NAME == "tv":
-        v = 0.5 * s
-        v = tl.where(v < 0.0, 0.0, tl.where(v > 1.0, 1.0, v))
-    elif NAME == "jsd" or NAME == "jsd_bits":
-        v = 0.5 * s
-        v = tl.where(v < 0.0, 0.0, tl.where(v > _LN2, _LN2, v))
-        if NAME == "jsd_bits":
-            v = v / _LN2
-            v = tl.where(v > 1.0, 1.0, v)
-    elif NAME == "legacy_js":
-        v = 0.5 * s
-        v = tl.where(v < 0.0, 0.0, v)
-    else:  # kl_qp, kl_pq
-        v = tl.where(s < 0.0, 0.0, s)
-    return v
-
-
-@triton.jit
-def _div_fused_kernel(T, D, OUT, stride_t, stride_tv, stride_d, stride_dv, V,
-                      NAME: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per row: both passes, then the result."""
-    row = tl.program_id(0).to(tl.int64)
-    t_ptr = T + row * stride_t
-    d_ptr = D + row * stride_d
-    m_t, l_t, m_d, l_d = _row_stats(t_ptr, d_ptr, stride_tv, stride_dv, V, BLOCK_V)
-    shift_t, logz_t, ok_t = _normaliser(m_t, l_t)
-    shift_d, logz_d, ok_d = _normaliser(m_d, l_d)
-    s = _row_sum(t_ptr, d_ptr, stride_tv, stride_dv, V, shift_t, logz_t, shift_d, logz_d, NAME, BLOCK_V)
-    v = tl.where(ok_t & ok_d, _finish(s, NAME), _NAN)
-    tl.store(OUT + row, v)
-
-
-@triton.jit
-def _div_stats_kernel(T, D, WS, stride_t, stride_tv, stride_d, stride_dv, V, CHUNK, S, BLOCK_V: tl.constexpr):
-    """Split pass 1: program (row, s) writes WS[row, s] = (max_t, sumexp_t, max_d, sumexp_d) of chunk s."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    lo = s * CHUNK
-    n = tl.minimum(CHUNK, V - lo)
-    t_ptr = T + row * stride_t + lo.to(tl.int64) * stride_tv
-    d_ptr = D + row * stride_d + lo.to(tl.int64) * stride_dv
-    m_t, l_t, m_d, l_d = _row_stats(t_ptr, d_ptr, stride_tv, stride_dv, n, BLOCK_V)
-    w = WS + (row * S + s) * 4
-    tl.store(w, m_t)
-    tl.store(w + 1, l_t)
-    tl.store(w + 2, m_d)
-    tl.store(w + 3, l_d)
-
-
-@triton.jit
-def _merge_stats(m_s, l_s):
-    """Merge per-chunk (max, sumexp) vectors (padding: -inf, 0) into one row's (shift, ln Z, ok)."""
-    m = tl.max(m_s, 0)
-    m_safe = tl.where(m == _NEG_INF, 0.0, m)
-    l = tl.sum(l_s * tl.exp(m_s - m_safe), 0)  # a NaN chunk sum stays NaN (also when its max is +inf)
-    return _normaliser(m, l)
-
-
-@triton.jit
-def _div_partial_kernel(T, D, WS, PART, stride_t, stride_tv, stride_d, stride_dv, V, CHUNK, S,
-                        NAME: tl.constexpr, BLOCK_V: tl.constexpr, S_POW2: tl.constexpr):
-    """Split pass 2: program (row, s) merges the row's S chunk stats and writes PART[row, s] = chunk s's term sum
-    (NaN for a flagged row)."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    idx = tl.arange(0, S_POW2)
-    s_ok = idx < S
-    w = WS + (row * S + idx) * 4
-    shift_t, logz_t, ok_t = _merge_stats(tl.load(w, mask=s_ok, other=_NEG_INF), tl.load(w + 1, mask=s_ok, other=0.0))
-    shift_d, logz_d, ok_d = _merge_stats(tl.load(w + 2, mask=s_ok, other=_NEG_INF),
-                                         tl.load(w + 3, mask=s_ok, other=0.0))
-    lo = s * CHUNK
-    n = tl.minimum(CHUNK, V - lo)
-    t_ptr = T + row * stride_t + lo.to(tl.int64) * stride_tv
-    d_ptr = D + row * stride_d + lo.to(tl.int64) * stride_dv
-    part = _row_sum(t_ptr, d_ptr, stride_tv, stride_dv, n, shift_t, logz_t, shift_d, logz_d, NAME, BLOCK_V)
-    tl.store(PART + row * S + s, tl.where(ok_t & ok_d, part, _NAN))
-
-
-@triton.jit
-def _div_combine_kernel(PART, OUT, N, S, NAME: tl.constexpr, BLOCK_R: tl.constexpr, S_POW2: tl.constexpr):
-    """Split epilogue: OUT[row] = finish(sum_s PART[row, s]); a NaN partial makes the row NaN."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < N
-    idx = tl.arange(0, S_POW2)
-    x = tl.load(PART + rows[:, None].to(tl.int64) * S + idx[None, :], mask=r_ok[:, None] & (idx < S)[None, :],
-                other=0.0)
-    tl.store(OUT + rows, _finish(tl.sum(x, 1), NAME), mask=r_ok)
-
+FUSED_DIVERGENCES = ("kl_qp", "kl_pq", "jsd", "jsd_bits", "tv", "legacy_js")  # the NAME values the kernels implement
 
 _INTERPRETING = type(_div_fused_kernel).__name__ == "InterpretedFunction"
 
@@ -305,11 +63,6 @@ _PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 64
 _BLOCK_R = 16
 last_launch = None  # (splits, config) of the latest call; for gpu_check / debugging
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Host side
-# ----------------------------------------------------------------------------------------------------------------------
 
 
 def fused_divergence_available(device) -> bool:
@@ -343,8 +96,8 @@ def _split_plan(rows: int, vocab: int, block_v: int, num_sms: int, num_splits: O
 
 
 def _check(target_logits, draft_logits, name):
-    if name not in DIVERGENCES:
-        raise ValueError(f"unknown divergence {name!r}; valid names: {', '.join(DIVERGENCES)}")
+    if name not in FUSED_DIVERGENCES:
+        raise ValueError(f"unknown divergence {name!r}; valid names: {', '.join(FUSED_DIVERGENCES)}")
     for what, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
@@ -375,6 +128,42 @@ def _as_2d(x: torch.Tensor, vocab: int) -> torch.Tensor:
     return x.reshape(-1, vocab)  # a view when the layout allows it, else a copy
 
 
+def _output(out, lead: tuple, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(lead, device=device, dtype=torch.float32)
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != lead or out.dtype != torch.float32
+            or out.device != device or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {lead} on {device}")
+    return out
+
+
+def _launch_config(config: Optional[dict]) -> tuple[int, int]:
+    """(BLOCK_V, num_warps): the forced config, else the GPU's or the interpreter's."""
+    cfg = dict(config or (_INTERP_CONFIG if _INTERPRETING else _GPU_CONFIG))
+    block_v = int(cfg.get("BLOCK_V", 0))
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"config BLOCK_V must be a power of two >= 16, got {cfg.get('BLOCK_V')!r}")
+    return block_v, int(cfg.get("num_warps", 4))
+
+
+def _launch(t2, d2, out, name: str, splits: int, chunk: int, block_v: int, num_warps: int) -> None:
+    """One fused launch (splits == 1), else stats -> partial sums -> combine over `splits` vocabulary chunks."""
+    rows, vocab = t2.shape
+    strides = (t2.stride(0), t2.stride(1), d2.stride(0), d2.stride(1))
+    if splits == 1:
+        _div_fused_kernel[(rows,)](t2, d2, out, *strides, vocab, NAME=name, BLOCK_V=block_v, num_warps=num_warps)
+        return
+    s_pow2 = max(16, _next_pow2(splits))
+    ws = torch.empty((rows, splits, 4), device=t2.device, dtype=torch.float32)
+    part = torch.empty((rows, splits), device=t2.device, dtype=torch.float32)
+    _div_stats_kernel[(rows, splits)](t2, d2, ws, *strides, vocab, chunk, splits, BLOCK_V=block_v,
+                                      num_warps=num_warps)
+    _div_partial_kernel[(rows, splits)](t2, d2, ws, part, *strides, vocab, chunk, splits, NAME=name,
+                                        BLOCK_V=block_v, S_POW2=s_pow2, num_warps=num_warps)
+    _div_combine_kernel[(triton.cdiv(rows, _BLOCK_R),)](part, out, rows, splits, NAME=name, BLOCK_R=_BLOCK_R,
+                                                        S_POW2=s_pow2, num_warps=4)
+
+
 def fused_divergence(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor,
@@ -385,67 +174,66 @@ def fused_divergence(
     config: Optional[dict] = None,
 ) -> torch.Tensor:
     """Divergence ``name`` between p = softmax(target_logits) and q = softmax(draft_logits), per row, in one fused
-    streaming pass pair (see the module docstring). Same results as ``eagle_fsd.divergence.divergence(target_logits,
-    draft_logits, name)`` within float32 rounding.
+    streaming pass pair (see the module docstring); equals :func:`divergence_reference` within float32 rounding.
 
     Args:
         target_logits: (..., V) target logits or log-probs, float32 / float16 / bfloat16, any strides.
         draft_logits: (..., V) draft logits, same V; leading dims broadcast with the target's.
-        name: one of ``eagle_fsd.divergence.DIVERGENCES`` (kl_qp, kl_pq, jsd, jsd_bits, tv, legacy_js).
+        name: one of ``FUSED_DIVERGENCES``.
         out: optional preallocated contiguous float32 output of the broadcast leading shape (written completely).
         num_splits: force the number of vocabulary chunks per row (default: heuristic; 1 = one program per row).
         config: force {"BLOCK_V": power of two >= 16, "num_warps": int}.
 
-    Returns:
-        (...) float32: +inf where mathematically infinite, NaN for rows with a NaN / +inf logit or only -inf logits.
-
-    Raises:
-        ValueError: unknown ``name``, mismatched vocab / non-broadcastable shapes, empty vocab, device mismatch, bad
-            ``out`` / ``config``.
-        TypeError: non-tensor input or an unsupported dtype.
-        RuntimeError: the device cannot run the kernel (CPU without ``TRITON_INTERPRET=1`` at import, or no CUDA);
-            use ``eagle_fsd.divergence.divergence`` there.
+    Returns (...) float32: +inf where mathematically infinite, NaN for rows with a NaN / +inf logit or only -inf
+    logits. Raises ValueError (unknown ``name``, mismatched shapes, empty vocab, device mismatch, bad ``out`` /
+    ``config``), TypeError (non-tensor input, unsupported dtype), RuntimeError (the device cannot run the kernel).
     """
     target_logits, draft_logits = _check(target_logits, draft_logits, name)
     device = target_logits.device
     if not fused_divergence_available(device):
         why = "TRITON_INTERPRET=1 was not set before import" if device.type == "cpu" else "no CUDA kernel"
         raise RuntimeError(f"fused_divergence's Triton kernel cannot run on {device} ({why}); "
-                           "use eagle_fsd.divergence.divergence there")
-    lead = tuple(target_logits.shape[:-1])
+                           "use eagle_fsd.divergence.divergence (or divergence_reference) there")
     vocab = target_logits.shape[-1]
-    if out is None:
-        out = torch.empty(lead, device=device, dtype=torch.float32)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != lead or out.dtype != torch.float32
-          or out.device != device or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {lead} on {device}")
+    out = _output(out, tuple(target_logits.shape[:-1]), device)
     t2, d2 = _as_2d(target_logits, vocab), _as_2d(draft_logits, vocab)
-    rows = t2.shape[0]
-    cfg = dict(config or (_INTERP_CONFIG if _INTERPRETING else _GPU_CONFIG))
-    block_v = int(cfg.get("BLOCK_V", 0))
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"config BLOCK_V must be a power of two >= 16, got {cfg.get('BLOCK_V')!r}")
-    num_warps = int(cfg.get("num_warps", 4))
+    block_v, num_warps = _launch_config(config)
     if num_splits is None and _INTERPRETING:
         num_splits = 1  # no parallelism to gain on the CPU interpreter
-    splits, chunk = _split_plan(rows, vocab, block_v, _num_sms(device), num_splits)
+    splits, chunk = _split_plan(t2.shape[0], vocab, block_v, _num_sms(device), num_splits)
     global last_launch
     last_launch = (splits, {"BLOCK_V": block_v, "num_warps": num_warps})
-    if rows == 0:
+    if t2.shape[0] == 0:
         return out
-    strides = (t2.stride(0), t2.stride(1), d2.stride(0), d2.stride(1))
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if splits == 1:
-            _div_fused_kernel[(rows,)](t2, d2, out, *strides, vocab, NAME=name, BLOCK_V=block_v,
-                                       num_warps=num_warps)
-        else:
-            s_pow2 = max(16, _next_pow2(splits))
-            ws = torch.empty((rows, splits, 4), device=device, dtype=torch.float32)
-            part = torch.empty((rows, splits), device=device, dtype=torch.float32)
-            _div_stats_kernel[(rows, splits)](t2, d2, ws, *strides, vocab, chunk, splits, BLOCK_V=block_v,
-                                              num_warps=num_warps)
-            _div_partial_kernel[(rows, splits)](t2, d2, ws, part, *strides, vocab, chunk, splits, NAME=name,
-                                                BLOCK_V=block_v, S_POW2=s_pow2, num_warps=num_warps)
-            _div_combine_kernel[(triton.cdiv(rows, _BLOCK_R),)](part, out, rows, splits, NAME=name,
-                                                                BLOCK_R=_BLOCK_R, S_POW2=s_pow2, num_warps=4)
+        _launch(t2, d2, out, name, splits, chunk, block_v, num_warps)
     return out
+
+
+def divergence_reference(target_logits: torch.Tensor, draft_logits: torch.Tensor, name: str = "kl_qp") -> torch.Tensor:
+    """What :func:`fused_divergence` computes, in float64 torch: (...) float64, same edge cases (a NaN row where a
+    log-softmax has NaN; every a * (ln a - ln b) term 0 where a == 0; clamped to the mathematical range)."""
+    if name not in FUSED_DIVERGENCES:
+        raise ValueError(f"unknown divergence {name!r}; valid names: {', '.join(FUSED_DIVERGENCES)}")
+    logp = torch.log_softmax(target_logits.double(), dim=-1)
+    logq = torch.log_softmax(draft_logits.double(), dim=-1)
+    p, q = logp.exp(), logq.exp()
+
+    def kl_sum(a, log_a, log_b):  # sum a (ln a - ln b), 0 * log 0 = 0
+        return torch.where(a == 0, 0.0, a * (log_a - log_b)).sum(dim=-1)
+
+    ln2 = math.log(2.0)
+    logm = torch.where(logp == logq, logp, torch.logaddexp(logp, logq) - ln2)  # m = (p + q) / 2
+    if name == "kl_qp":
+        value = kl_sum(q, logq, logp)
+    elif name == "kl_pq":
+        value = kl_sum(p, logp, logq)
+    elif name == "tv":
+        value = 0.5 * (p - q).abs().sum(dim=-1)
+    elif name == "legacy_js":  # 1/2 KL(m||p) + 1/2 KL(m||q): not Jensen-Shannon (paper parity)
+        value = 0.5 * kl_sum(logm.exp(), logm, logp) + 0.5 * kl_sum(logm.exp(), logm, logq)
+    else:  # jsd = 1/2 KL(p||m) + 1/2 KL(q||m); jsd_bits = jsd / ln 2
+        value = (0.5 * kl_sum(p, logp, logm) + 0.5 * kl_sum(q, logq, logm)) / (ln2 if name == "jsd_bits" else 1.0)
+    upper = {"jsd": ln2, "jsd_bits": 1.0, "tv": 1.0}.get(name, math.inf)
+    bad = logp.isnan().any(dim=-1) | logq.isnan().any(dim=-1)
+    return torch.where(bad, math.nan, value.clamp(0.0, upper))

@@ -34,7 +34,7 @@ Limits
   imported).
   Everything else raises; use :func:`tree_attention_reference` (or SDPA with a dense mask) as the fallback there.
 * Tested hardware: not yet timed on a GPU. Correctness is tested on CPU under the Triton interpreter (fp32, fp16, bf16
-  via the interpreter upcast). ``python -m eagle_fsd.kernels.gpu_check`` runs the bf16 parity check and the timings on a
+  via the interpreter upcast). ``python -m eagle_fsd.eval.gpu_check`` runs the bf16 parity check and the timings on a
   GPU.
 
 Mask format: bit-packed int32 words
@@ -51,28 +51,7 @@ TensorRT-LLM XQA spec-dec layout). Why:
 Packing happens on the host in vectorised torch (:func:`pack_tree_mask`): a handful of small tensor ops, no loop over
 nodes.
 
-Tiling (designed for an H100/H200; not yet timed)
--------------------------------------------------
-* One program handles BLOCK_M rows of the packed "query x GQA-group" dimension for one (batch, kv head): row
-  ``m = i * G + g`` is tree query i of query head ``hkv * G + g``. All G heads that share a KV head share each K/V tile
-  load, so a decode-style problem with N <= 64 queries still gives MMA-sized M tiles (N=16, G=4 -> M=64), and the output
-  rows of one tile are contiguous in the (B, N, Hq, D) output.
-* Phase 1 streams the prefix K/V in BLOCK_N tiles with no mask work at all (full tiles unmasked, pipelined by the
-  compiler; one boundary-masked tail tile). Phase 2 covers the N tree keys in tiles of 32 keys: each row loads one int32
-  word per tile, the tile is skipped when no row of the block sees any of its keys, else the bits are expanded with a
-  shift + and and applied as -inf.
-* Loads are vectorised because head_dim has unit stride; the prefix loop compiles to cp.async pipelining and wgmma on
-  sm_90 (checked by compiling for sm_90 on a CPU machine: no register spills for the bf16/fp16 configs below).
-* Split-KV (flash-decoding): for long prefixes with few (batch x kv-head x M-tile) programs the prefix is cut into
-  chunks (multiples of 128 keys, >= 512 keys each) so there are about 2 programs per SM; the last split also does the
-  tree phase. Partial results (normalised output + log2-sum-exp) go to a float32 workspace and a second small kernel
-  merges them. With one split the kernel writes the output directly (no workspace, one launch).
-* On a GPU (fp16/bf16, head_dim <= 128), ``triton.autotune`` picks BLOCK_M / BLOCK_N / warps / stages from a small list,
-  keeping BLOCK_M in [M_CAP/2, M_CAP] where M_CAP = next_pow2(N * G) clamped to [16, 128]; it is keyed only on
-  constexprs and dtypes, so changing prefix/tree lengths never re-tune (a new M_CAP bucket or split/no-split does,
-  once).
-  ``EAGLE_FSD_TREE_ATTN_AUTOTUNE=0`` uses one fixed heuristic config instead (needed under CUDA-graph capture unless
-  every shape was warmed up first). Under the interpreter there is one fixed config and no autotune.
+The kernels and their tiling: tree_attention_triton.py.
 """
 
 import contextlib
@@ -82,7 +61,8 @@ from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
+
+from .tree_attention_triton import _tree_attn_combine, _tree_attn_fwd
 
 __all__ = [
     "tree_attention",
@@ -93,164 +73,7 @@ __all__ = [
     "kernel_available",
 ]
 
-_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps fully masked rows NaN-free
-_LOG2E = 1.4426950408889634  # host side only
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Triton kernels
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, HAS_MASK: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step over a K/V tile. key_ok: (BLOCK_M, BLOCK_N) or (1, BLOCK_N) bool, used when HAS_MASK."""
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale  # log2 domain
-    if HAS_MASK:
-        qk = tl.where(key_ok, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))  # m_i starts finite, so m_new is finite even for fully masked rows
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if IEEE:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _tree_attn_fwd(
-    Q, K, V, MASK, OUT, WS_O, WS_LSE,
-    stride_qb, stride_qh, stride_qn,  # head_dim strides are 1 (the host makes sure), so tile loads vectorise
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_mb,
-    N, P, HQ, HKV, G, M_TOTAL, W, CHUNK, R_TOTAL,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    M_CAP: tl.constexpr,  # padded M (autotune key / pruning only)
-    SPLIT: tl.constexpr,  # write float32 partials to WS_O / WS_LSE instead of OUT
-    UPCAST: tl.constexpr,  # compute in float32 after the loads (bf16 under the interpreter)
-    IEEE: tl.constexpr,  # float32 operands: IEEE dots, not TF32
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // HKV
-    hkv = pid_bh % HKV
-    b64 = b.to(tl.int64)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < M_TOTAL
-    qi = offs_m // G  # tree query index of each packed row
-    qg = offs_m % G  # head within the GQA group
-    qh = hkv * G + qg  # query head
-
-    q_ptrs = (Q + b64 * stride_qb + qh[:, None].to(tl.int64) * stride_qh + qi[:, None].to(tl.int64) * stride_qn
-              + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    k_base = K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
-
-    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    no_mask = offs_n[None, :] < BLOCK_N  # all True; unused when HAS_MASK is False
-
-    # ---- phase 1: this split's prefix chunk [lo, hi), no mask work on full tiles ----
-    lo = pid_s * CHUNK
-    hi = tl.minimum(lo + CHUNK, P)
-    n_full = tl.maximum(hi - lo, 0) // BLOCK_N
-    k_ptrs = k_base + (lo + offs_n)[:, None].to(tl.int64) * stride_kn + offs_d[None, :]
-    v_ptrs = v_base + (lo + offs_n)[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
-    for _ in range(0, n_full):
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, no_mask, False, IEEE)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    tail = lo + n_full * BLOCK_N
-    if tail < hi:
-        k_ok = (tail + offs_n) < hi
-        k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, k_ok[None, :], True, IEEE)
-
-    # ---- phase 2 (last split only): the N tree keys at [P, P + N), 32 keys (one mask word per row) per tile ----
-    if pid_s == tl.num_programs(2) - 1:
-        offs_t = tl.arange(0, 32)
-        word_ptrs = MASK + b64 * stride_mb + qi.to(tl.int64) * W
-        kt_ptrs = k_base + (P + offs_t)[:, None].to(tl.int64) * stride_kn + offs_d[None, :]
-        vt_ptrs = v_base + (P + offs_t)[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
-        for j0 in range(0, N, 32):
-            words = tl.load(word_ptrs + j0 // 32, mask=row_ok, other=0)
-            if tl.sum((words != 0).to(tl.int32), 0) > 0:  # skip tiles no row of this block can see
-                j_ok = (j0 + offs_t) < N
-                bits = (((words[:, None] >> offs_t[None, :]) & 1) != 0) & j_ok[None, :]
-                k = tl.load(kt_ptrs, mask=j_ok[:, None], other=0.0)
-                v = tl.load(vt_ptrs, mask=j_ok[:, None], other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, bits, True, IEEE)
-            kt_ptrs += 32 * stride_kn
-            vt_ptrs += 32 * stride_vn
-
-    # ---- epilogue ----
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    rows = (b64 * N + qi.to(tl.int64)) * HQ + qh  # row of the (B, N, Hq) output, same order in the workspace
-    if SPLIT:
-        ws = pid_s.to(tl.int64) * R_TOTAL + rows
-        tl.store(WS_O + ws[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), _NEG_BIG)
-        tl.store(WS_LSE + ws, lse, mask=row_ok)
-    else:
-        tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _tree_attn_combine(WS_O, WS_LSE, OUT, R_TOTAL, S, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Merge the split-KV partials: OUT[r] = sum_s 2^(lse_s - lse) * O_s[r]."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < R_TOTAL
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_R], _NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, S):
-        idx = s * R_TOTAL + rows
-        lse = tl.load(WS_LSE + idx, mask=r_ok, other=_NEG_BIG)
-        o = tl.load(WS_O + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=r_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(lse - m_new)
-        acc = acc * a[:, None] + w[:, None] * o
-        l = l * a + w
-        m = m_new
-    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-    tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None])
-
-
+_LOG2E = 1.4426950408889634  # the kernels take exp2: softmax scale * log2(e)
 _INTERPRETING = type(_tree_attn_fwd).__name__ == "InterpretedFunction"
 
 # GPU autotune space (H100/H200, fp16/bf16, head_dim <= 128). _prune_configs keeps BLOCK_M in [M_CAP/2, M_CAP].
@@ -411,6 +234,57 @@ def _choose_splits(prefix: int, programs: int, device: torch.device, num_splits:
     return -(-prefix // chunk), chunk
 
 
+def _check_supported(q: torch.Tensor, d: int) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"unsupported dtype {q.dtype}; use float16, bfloat16 or float32")
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"unsupported head_dim {d}: must be a power of two in [16, 256]")
+    if not kernel_available(q.device):
+        why = "TRITON_INTERPRET=1 was not set before import" if q.device.type == "cpu" else "no CUDA kernel"
+        raise RuntimeError(f"tree_attention's Triton kernel cannot run on {q.device} ({why}); "
+                           "use tree_attention_reference or SDPA with a dense mask there")
+
+
+def _packed_mask(tree_mask: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(packed int32 mask with unit word stride and dense rows, its batch stride: 0 when shared by the batch)."""
+    packed = tree_mask if _is_packed(tree_mask, n) else pack_tree_mask(tree_mask)
+    if packed.stride(-1) != 1 or packed.stride(-2) != packed.shape[-1]:
+        packed = packed.contiguous()
+    return packed, packed.stride(0) if packed.dim() == 3 and packed.shape[0] > 1 else 0
+
+
+def _output(out, shape: tuple, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, device=q.device, dtype=q.dtype)
+    if out.shape != shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} {q.dtype} tensor on {q.device}")
+    return out
+
+
+def _run_kernels(args: tuple, meta: dict, grid_rows: tuple, splits: int, config, m_cap: int, ws: tuple):
+    """Launch the forward kernel (autotuned or with a fixed config) on a (M tiles, B * Hkv, splits) grid, then the
+    split-KV combine. Returns (config used, autotuned)."""
+    m_total, programs_bh = grid_rows
+    q = args[0]
+    use_autotune = (config is None and _autotuned is not None and q.dtype != torch.float32 and meta["HEAD_DIM"] <= 128
+                    and os.environ.get("EAGLE_FSD_TREE_ATTN_AUTOTUNE", "1") != "0")
+    if use_autotune:
+        grid = lambda meta_: (triton.cdiv(m_total, meta_["BLOCK_M"]), programs_bh, splits)  # noqa: E731
+        _autotuned[grid](*args, **meta)
+        cfg = _autotuned.best_config
+    else:
+        cfg = dict(config or _launch_config(m_cap, meta["HEAD_DIM"], q.dtype))
+        if cfg["BLOCK_M"] < 16 or cfg["BLOCK_N"] < 16:
+            raise ValueError("BLOCK_M and BLOCK_N must be >= 16 (tl.dot minimum on GPUs)")
+        _tree_attn_fwd[(triton.cdiv(m_total, cfg["BLOCK_M"]), programs_bh, splits)](*args, **meta, **cfg)
+    if splits > 1:
+        ws_o, ws_lse, out, rows_total = ws
+        block_r = 16
+        _tree_attn_combine[(triton.cdiv(rows_total, block_r),)](
+            ws_o, ws_lse, out, rows_total, splits, HEAD_DIM=meta["HEAD_DIM"], BLOCK_R=block_r, num_warps=4)
+    return cfg, use_autotune
+
+
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -424,79 +298,41 @@ def tree_attention(
 ) -> torch.Tensor:
     """Tree attention (see the module docstring). Returns (B, N, Hq, D) contiguous in q's dtype.
 
-    Args:
-        q: (B, Hq, N, D) queries of the N tree tokens.
-        k, v: (B, Hkv, L, D), the tree's keys/values are the last N of L; any strides.
-        tree_mask: bool (N, N) / (B, N, N), True = query i may attend tree key j; or the int32 output of
-            :func:`pack_tree_mask` (pack once, reuse across layers).
-        scale: softmax scale, default 1/sqrt(D).
-        out: optional preallocated (B, N, Hq, D) contiguous output of q's dtype (written completely).
-        num_splits: force the number of split-KV chunks of the prefix (default: heuristic; 1 = no split).
-        config: force a launch config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} (no autotune).
+    q: (B, Hq, N, D) queries of the N tree tokens. k, v: (B, Hkv, L, D), the tree's keys/values are the last N of L;
+    any strides. tree_mask: bool (N, N) / (B, N, N), True = query i may attend tree key j; or the int32 output of
+    :func:`pack_tree_mask` (pack once, reuse across layers). scale: softmax scale, default 1/sqrt(D).
+    out: optional preallocated (B, N, Hq, D) contiguous output of q's dtype (written completely).
+    num_splits: force the number of split-KV chunks of the prefix (default: heuristic; 1 = no split).
+    config: force a launch config {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} (no autotune).
     """
     B, hq, n, d, hkv, length = _check_inputs(q, k, v, tree_mask)
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"unsupported dtype {q.dtype}; use float16, bfloat16 or float32")
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"unsupported head_dim {d}: must be a power of two in [16, 256]")
-    if not kernel_available(q.device):
-        why = "TRITON_INTERPRET=1 was not set before import" if q.device.type == "cpu" else "no CUDA kernel"
-        raise RuntimeError(f"tree_attention's Triton kernel cannot run on {q.device} ({why}); "
-                           "use tree_attention_reference or SDPA with a dense mask there")
+    _check_supported(q, d)
     # The kernel assumes unit stride along head_dim (true for transformers' q/k/v and cache views); copy otherwise.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    g = hq // hkv
-    prefix = length - n
-    packed = tree_mask if _is_packed(tree_mask, n) else pack_tree_mask(tree_mask)
-    if packed.stride(-1) != 1 or packed.stride(-2) != packed.shape[-1]:
-        packed = packed.contiguous()
-    stride_mb = packed.stride(0) if packed.dim() == 3 and packed.shape[0] > 1 else 0
-
-    if out is None:
-        out = torch.empty((B, n, hq, d), device=q.device, dtype=q.dtype)
-    elif out.shape != (B, n, hq, d) or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(B, n, hq, d)} {q.dtype} tensor on {q.device}")
-
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    g, prefix = hq // hkv, length - n
+    packed, stride_mb = _packed_mask(tree_mask, n)
+    out = _output(out, (B, n, hq, d), q)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     m_total = n * g
     m_cap = min(128, max(16, _next_pow2(m_total)))
     rows_total = B * n * hq
     splits, chunk = _choose_splits(prefix, -(-m_total // min(m_cap, 64)) * B * hkv, q.device, num_splits)
-    split = splits > 1
-    if split:
+    if splits > 1:
         ws_o = torch.empty((splits, rows_total, d), device=q.device, dtype=torch.float32)
         ws_lse = torch.empty((splits, rows_total), device=q.device, dtype=torch.float32)
     else:
         ws_o = ws_lse = out  # unused
     upcast = _INTERPRETING and q.dtype == torch.bfloat16
-    ieee = upcast or q.dtype == torch.float32
-
     args = (q, k, v, packed, out, ws_o, ws_lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_mb,
             n, prefix, hq, hkv, g, m_total, packed.shape[-1], chunk, rows_total,
             float(scale) * _LOG2E)
-    meta = dict(HEAD_DIM=d, M_CAP=m_cap, SPLIT=split, UPCAST=upcast, IEEE=ieee)
-
-    use_autotune = (config is None and _autotuned is not None and q.dtype != torch.float32 and d <= 128
-                    and os.environ.get("EAGLE_FSD_TREE_ATTN_AUTOTUNE", "1") != "0")
+    meta = dict(HEAD_DIM=d, M_CAP=m_cap, SPLIT=splits > 1, UPCAST=upcast, IEEE=upcast or q.dtype == torch.float32)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if use_autotune:
-            grid = lambda meta_: (triton.cdiv(m_total, meta_["BLOCK_M"]), B * hkv, splits)  # noqa: E731
-            _autotuned[grid](*args, **meta)
-            cfg = _autotuned.best_config
-        else:
-            cfg = dict(config or _launch_config(m_cap, d, q.dtype))
-            if cfg["BLOCK_M"] < 16 or cfg["BLOCK_N"] < 16:
-                raise ValueError("BLOCK_M and BLOCK_N must be >= 16 (tl.dot minimum on GPUs)")
-            grid = (triton.cdiv(m_total, cfg["BLOCK_M"]), B * hkv, splits)
-            _tree_attn_fwd[grid](*args, **meta, **cfg)
-        if split:
-            block_r = 16
-            _tree_attn_combine[(triton.cdiv(rows_total, block_r),)](
-                ws_o, ws_lse, out, rows_total, splits, HEAD_DIM=d, BLOCK_R=block_r, num_warps=4)
+        cfg, autotuned = _run_kernels(args, meta, (m_total, B * hkv), splits, config, m_cap,
+                                      (ws_o, ws_lse, out, rows_total))
     global last_launch
-    last_launch = (splits, cfg, use_autotune)
+    last_launch = (splits, cfg, autotuned)
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle_fsd.divergence import DIVERGENCES, divergence
-from eagle_fsd.kernels import fused_divergence, fused_divergence_available
+from eagle_fsd.kernels import FUSED_DIVERGENCES, divergence_reference, fused_divergence, fused_divergence_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [
@@ -80,6 +80,25 @@ def test_parity_random(vocab, dtype, scale):
     t, d = t.to(DEVICE, dtype), d.to(DEVICE, dtype)
     for name in DIVERGENCES:
         _assert_close(_run(t, d, name), divergence(t, d, name), f"{name} V={vocab} {dtype} x{scale}")
+
+
+def test_parity_with_own_float64_reference():
+    """The kernel against its own float64 reference (kernels/ needs nothing of eagle_fsd to be checked)."""
+    t, d = _edge_rows(700)
+    d[8] = t[8]  # identical rows: exactly 0
+    for name in FUSED_DIVERGENCES:
+        ref = divergence_reference(t, d, name)
+        assert ref.dtype == torch.float64 and ref[8] == 0 and ref[5].isnan()
+        _assert_close(_run(t.to(DEVICE), d.to(DEVICE), name, config=SMALL, num_splits=2), ref.float(), name)
+    with pytest.raises(ValueError, match="unknown divergence"):
+        divergence_reference(t, d, "kl")
+
+
+def test_own_reference_matches_fsd_divergences():
+    """The kernel's float64 reference and FSD's float32 torch divergences define the same quantities."""
+    t, d = _edge_rows()
+    for name in FUSED_DIVERGENCES:
+        _assert_close(divergence(t, d, name), divergence_reference(t, d, name).float(), name)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from eagle_fsd.drafters import LMDrafter
-from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.fsd import FsdConfig, fuzzy_choices
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.tree.accept import accept, fuzzy_choices, top_child
+from eagle_fsd.tree.accept import accept, top_child
 from eagle_fsd.tree.dynamic import DraftTree, ancestor_table, tree_mask_from_ancestors
 from tiny import hf_greedy, tiny_model
 
@@ -104,8 +104,8 @@ def test_reducible_at_zero_is_bit_identical(temperature):
 def test_infinite_threshold_accepts_to_the_depth_limit(mode, divergence):
     target, model = pair(total_token=8, depth=4, top_k=1)  # a chain of 5 draft tokens
     ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
-    out = model.generate(ids, max_new_tokens=37, eos_token_id=[], fsd_threshold=math.inf, fsd_mode=mode,
-                         fsd_divergence=divergence, return_dict=True)
+    out = model.generate(ids, max_new_tokens=37, eos_token_id=[], fsd=FsdConfig(math.inf, divergence, mode),
+                         return_dict=True)
     assert out.accept_lengths == [5] * len(out.accept_lengths) and out.tau == 6.0
     assert out.fuzzy_fraction > 0.9  # random draft and target: nearly every token was accepted only fuzzily
     # 37 = 1 + 6 steps of 6 tokens: the per-token flags agree with the per-step counts, and each step ends on the
@@ -119,17 +119,46 @@ def test_original_at_zero_is_plain_decoding():
     every step emits one target token, so greedy output is the target's own."""
     target, model = pair(total_token=20, depth=3, top_k=4)
     ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(2))
-    out = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd_threshold=0.0, fsd_mode="original",
+    out = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd=FsdConfig(0.0, mode="original"),
                          return_dict=True)
     assert set(out.accept_lengths) == {0}
     assert torch.equal(out.sequences, hf_greedy(target, ids, 20))
 
 
-def test_fsd_config_object_equals_keywords():
+def test_fsd_threshold_is_short_for_a_config():
     target, model = pair(total_token=20, depth=3, top_k=4)
     ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(3))
-    a = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd_threshold=3.0, fsd_divergence="tv")
-    b = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd=FsdConfig(3.0, "tv"))
+    a = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd_threshold=3.0)
+    b = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd=FsdConfig(3.0))
     assert torch.equal(a, b)
+    tv = model.generate(ids, max_new_tokens=20, eos_token_id=[], fsd=FsdConfig(3.0, "tv"))
+    assert tv.shape == a.shape
     with pytest.raises(ValueError, match="fsd_divergence"):
-        model.generate(ids, max_new_tokens=5, fsd_threshold=0.1, fsd_divergence="nope")
+        model.generate(ids, max_new_tokens=5, fsd=FsdConfig(0.1, "nope"))
+    with pytest.raises(ValueError, match="not both"):
+        model.generate(ids, max_new_tokens=5, fsd=FsdConfig(0.1), fsd_threshold=0.1)
+    with pytest.raises(TypeError, match="fsd_divergence"):  # the flat FSD keywords are gone: one FsdConfig
+        model.generate(ids, max_new_tokens=5, fsd_threshold=0.1, fsd_divergence="tv")
+
+
+def test_fused_kernel_names_are_fsd_names():
+    """The kernel keeps its own list of the divergences it fuses; FSD may only dispatch names it knows."""
+    from eagle_fsd.divergence import DIVERGENCES
+    from eagle_fsd.kernels import FUSED_DIVERGENCES
+
+    assert FUSED_DIVERGENCES and set(FUSED_DIVERGENCES) <= set(DIVERGENCES)
+
+
+def test_tree_does_not_import_fsd():
+    """Layering kernels <- tree <- fsd: the tree walk takes FSD's decisions as plain tensors."""
+    import ast
+    import pathlib
+
+    import eagle_fsd.tree
+
+    for path in pathlib.Path(eagle_fsd.tree.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith(("eagle_fsd.fsd", "eagle_fsd.divergence", "eagle_fsd.model")) for n in names), \
+                (path, names)

@@ -8,7 +8,8 @@ import torch
 
 from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.tree.accept import accept, fuzzy_choices
+from eagle_fsd.fsd import FsdConfig, fuzzy_choices
+from eagle_fsd.tree.accept import accept
 from test_fsd import hand_tree  # root(0) -> 10 (top), 11, 12; 10 -> 20 (top), 21; 11 -> 30
 from tiny import tiny_model
 
@@ -61,8 +62,8 @@ def test_generate_at_inf_with_reduced_draft_vocab_and_kl_pq(mode):
     drafter.draft_head.set_draft_vocab(torch.arange(0, 1000, 2))
     model = EaFsdModel(target, None, drafter, total_token=8, depth=4, top_k=1)  # a chain of 5 draft tokens
     ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
-    out = model.generate(ids, max_new_tokens=25, eos_token_id=[], fsd_threshold=INF, fsd_mode=mode,
-                         fsd_divergence="kl_pq", return_dict=True)
+    out = model.generate(ids, max_new_tokens=25, eos_token_id=[], fsd=FsdConfig(INF, "kl_pq", mode),
+                         return_dict=True)
     assert out.accept_lengths == [5] * 4 and out.fuzzy_fraction > 0.5
     computed = [d for step in out.divergences for d in step if not math.isnan(d)]  # NaN: a leaf, no children
     assert len(computed) == 4 * 5 and all(d == INF for d in computed)  # the case under test: D = +inf everywhere

@@ -20,7 +20,7 @@ from eagle_fsd.kernels import (
     tree_attention_reference,
     unpack_tree_mask,
 )
-from eagle_fsd.kernels.gpu_check import ancestor_mask, random_parents, random_tree_mask
+from eagle_fsd.eval.gpu_check import ancestor_mask, random_parents, random_tree_mask
 
 # the module itself: the package exports a function of the same name
 ta = importlib.import_module("eagle_fsd.kernels.tree_attention")
@@ -285,11 +285,11 @@ def test_input_validation():
 
 
 def test_gpu_check_toy(tmp_path):
-    """`python -m eagle_fsd.kernels.gpu_check --toy` runs end to end (CPU: under the interpreter) and writes results."""
+    """`python -m eagle_fsd.eval.gpu_check --toy` runs end to end (CPU: under the interpreter) and writes results."""
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "eagle_fsd.kernels.gpu_check", "--toy", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "eagle_fsd.eval.gpu_check", "--toy", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -353,3 +353,19 @@ def test_compiles_for_hopper(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "WGMMA True" in proc.stdout  # Hopper tensor-core path, not a fallback
+
+
+def test_kernels_import_nothing_of_eagle_fsd():
+    """kernels/ is the bottom layer: only relative imports inside the package, torch and triton."""
+    import ast
+    import pathlib
+
+    kernels_dir = pathlib.Path(importlib.import_module("eagle_fsd.kernels").__file__).parent
+    files = sorted(kernels_dir.glob("*.py"))
+    assert len(files) >= 5
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("eagle_fsd") for a in node.names), path
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not node.module.startswith("eagle_fsd"), (path, node.module)

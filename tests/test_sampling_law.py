@@ -18,6 +18,7 @@ import torch
 import eagle_fsd.fsd
 from eagle_fsd.divergence import DIVERGENCES
 from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter
+from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.model import EaFsdModel, SpeedGuard
 from eagle_fsd.sampling import logits_processor, processed_probs
 from tiny import tiny_config, tiny_model
@@ -168,8 +169,8 @@ def test_fsd_at_zero_threshold_processed_top_k_joint_law(temperature=0.8, top_k=
     target, draft = target_and_drafter()
     model = EaFsdModel(target, None, LMDrafter(draft, VOCAB), total_token=8, depth=3, top_k=2)
     processor = logits_processor(temperature, 1.0, top_k)
-    counts = sample(generator(model, temperature, 1.0, top_k, fsd_threshold=0.0, fsd_distributions="processed",
-                              fsd_top_k=3, fsd_divergence="jsd"), 4 * N // 5)
+    fsd = FsdConfig(0.0, "jsd", distributions="processed", top_k=3)
+    counts = sample(generator(model, temperature, 1.0, top_k, fsd=fsd), 4 * N // 5)
     assert_follows(counts, exact_law(target, processor), target, processor)
 
 
@@ -180,7 +181,7 @@ def test_original_fsd_at_zero_threshold_is_plain_sampling(temperature=1.0, top_p
     model = EaFsdModel(target, None, LMDrafter(draft, VOCAB), total_token=4, depth=1, top_k=3)
     processor = logits_processor(temperature, top_p)
     outputs = []
-    counts = sample(generator(model, temperature, top_p, 0, fsd_threshold=0.0, fsd_mode="original",
+    counts = sample(generator(model, temperature, top_p, 0, fsd=FsdConfig(0.0, mode="original"),
                               return_dict=True), 4 * N // 5, outputs=outputs)
     assert {a for out in outputs for a in out.accept_lengths} == {0}
     assert_follows(counts, exact_law(target, processor), target, processor)
@@ -222,8 +223,8 @@ def test_fsd_infinite_threshold_chain_joint_law(temperature=0.9, top_k=4):
     target, draft = target_and_drafter()
     model = EaFsdModel(target, None, LMDrafter(draft, VOCAB), total_token=3, depth=2, top_k=1)
     processor = logits_processor(temperature, 1.0, top_k)
-    counts = sample(generator(model, temperature, 1.0, top_k, fsd_threshold=math.inf, fsd_divergence="tv",
-                              fsd_distributions="processed"), 2 * N // 5)
+    fsd = FsdConfig(math.inf, "tv", distributions="processed")
+    counts = sample(generator(model, temperature, 1.0, top_k, fsd=fsd), 2 * N // 5)
     law = fuzzy_chain_law(target, draft, processor, depth=2)
     assert_follows(counts, law, target, processor)
 
@@ -253,7 +254,7 @@ def test_fused_divergence_equals_reference_on_tree_nodes(monkeypatch):          
     ids = torch.tensor([PROMPT])
     torch.manual_seed(0)
     for name in DIVERGENCES:
-        model.generate(ids, max_new_tokens=6, temperature=0.8, top_k=4, eos_token_id=[], fsd_threshold=0.3,
-                       fsd_divergence=name, fsd_distributions="processed")
+        model.generate(ids, max_new_tokens=6, temperature=0.8, top_k=4, eos_token_id=[],
+                       fsd=FsdConfig(0.3, name, distributions="processed"))
     assert {name for name, _ in compared} == set(DIVERGENCES)
     assert all(masked for _, masked in compared)  # top-k left -inf logits in every compared row set

@@ -148,3 +148,13 @@ def test_chain_tree_is_a_chain():
     tree = chain_tree(torch.tensor([5, 6, 7]))
     assert tree.parents.tolist() == [-1, 0, 1]
     assert torch.equal(tree.tree_mask, torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_tokens_per_step():
+    import math
+
+    from eagle_fsd.tree.accept import tokens_per_step
+
+    assert tokens_per_step(12, 6) == 3.0  # bonus token included: (12 + 6) / 6
+    assert tokens_per_step(0, 4) == 1.0
+    assert math.isnan(tokens_per_step(0, 0))

@@ -1,4 +1,4 @@
-"""Acceptance on a draft tree: the lossless rule and the fuzzy (FSD) relaxation, as pure tensor functions.
+"""Acceptance on a draft tree: the lossless walk, as pure tensor functions.
 
 Every tree node n carries the target's verdict `target_choice[n]`: the token the target emits after the context
 "prefix + path(n)" -- its argmax (greedy) or one sample from its processed distribution p_n (sampling).
@@ -14,27 +14,19 @@ same law as drawing one x ~ p_n and descending into the child whose token is x, 
 matches. So each emitted token is an exact sample from the target's processed distribution at its context.
 Children of one node are distinct tokens, so at most one child matches and the accepted nodes form one path.
 
-Fuzzy rule (FSD) at a node n with children, with D_n = Div(p_n, q_n) -- one value per node, since all children of n
-share n's context and hence one target and one draft distribution:
-  reducible: run the lossless rule; if no child matches and D_n < T, accept the top-ranked child instead of
-             stopping with the residual sample. T = 0 is exactly the lossless rule. T = inf accepts the top-ranked
-             child whenever no child matches, whatever D_n is, +inf included (D < T read as "D is a number").
-  original:  if D_n <= T accept the top-ranked child, whatever the target chose; else stop and emit the target's
-             sample at n (no residual; for the paper's parity). T = inf accepts the top-ranked child always.
-A NaN D_n (a node whose divergence was not computed) never accepts fuzzily, at any T.
-The top-ranked child is the one with the highest draft score (EAGLE's first sibling, argmax q_n when it survived
-pruning): FSD's premise is that when q_n is close to p_n, the draft's own best guess is an acceptable token.
+The walk takes the choices as given: Fuzzy Speculative Decoding (eagle_fsd/fsd.py) relaxes them before the walk
+(a `choice` that differs from `target_choice`, and `blocked` nodes whose children are all rejected) and passes the
+per-node divergences it thresholded, which the walk only reports.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .dynamic import DraftTree
-
-FSD_MODES = ("reducible", "original")
 
 
 @dataclass
@@ -51,6 +43,29 @@ class Step:
     path_is_prefix: bool = False  # path == 0..accept_length: the cache already holds it in place
 
 
+class PathSummary(NamedTuple):
+    """What the host needs of the deepest accepted path; `width` = the tree's depth + 1, entries past b are junk."""
+
+    deepest: torch.Tensor      # () node index of b
+    depth: torch.Tensor        # () depth of b = accepted draft tokens
+    tokens: torch.Tensor       # (width,) token of each path node, root first
+    next_token: torch.Tensor   # () choice[b]
+    fuzzy: torch.Tensor        # (width,) path node accepted only because its parent's choice was relaxed
+    divergences: torch.Tensor  # (width,) D at each path node with children, NaN elsewhere
+
+
+def to_host(fields: NamedTuple) -> NamedTuple:
+    """The same fields as float64 CPU tensors, in one device-to-host transfer (float64 holds token ids exactly)."""
+    flat = torch.cat([f.double().reshape(-1) for f in fields]).cpu()
+    parts = flat.split([f.numel() for f in fields])
+    return type(fields)._make(part.reshape(f.shape) for part, f in zip(parts, fields))
+
+
+def tokens_per_step(accepted_tokens: int, steps: int) -> float:
+    """tau = (accepted draft tokens + one target token per step) / steps; NaN when there was no step."""
+    return (accepted_tokens + steps) / steps if steps else math.nan
+
+
 def top_child(tree: DraftTree) -> torch.Tensor:
     """(n,) index of each node's top-ranked child, -1 for leaves.
 
@@ -61,68 +76,49 @@ def top_child(tree: DraftTree) -> torch.Tensor:
     return torch.where(first < n, first, -1)
 
 
-def fuzzy_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: torch.Tensor, threshold: float,
-                  mode: str = "reducible"):
-    """Apply the FSD rule to the target's choices. Returns (choice, blocked): the choice to walk the tree with, and
-    (original mode) nodes whose children are all rejected. NaN divergences never accept; at threshold = inf every
-    other divergence does, +inf included (reducible: when no child matches; original: always)."""
-    child = top_child(tree)
-    has_child = child >= 0
-    top_token = tree.tokens[child.clamp(min=0)]
-    if mode == "reducible":
-        parents = tree.parents[1:]
-        child_matches = (tree.tokens[1:] == target_choice[parents]).long()
-        matched = torch.zeros_like(child).scatter_reduce_(0, parents, child_matches, "amax").bool()
-        # D < T, except that T = inf admits D = +inf too: every D but NaN. Compared in float64: a T beyond float32's
-        # range would round to inf against float32 divergences.
-        close = ~divergences.isnan() if threshold == math.inf else divergences.double() < threshold
-        fuzzy = has_child & ~matched & close
-        return torch.where(fuzzy, top_token, target_choice), None
-    if mode == "original":
-        take = has_child & (divergences.double() <= threshold)  # +inf <= inf holds; NaN <= T never does
-        return torch.where(take, top_token, target_choice), ~take
-    raise ValueError(f"fsd_mode={mode!r} is not one of {FSD_MODES}")
-
-
-def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None = None,
-           target_choice: torch.Tensor | None = None, divergences: torch.Tensor | None = None) -> Step:
-    """Walk the tree against `choice` (the target's choices, possibly relaxed by `fuzzy_choices`).
-
-    target_choice: the unrelaxed choices, to count fuzzy accepts (defaults to `choice`: none are fuzzy).
-    One host sync per call: everything the caller needs on the host travels in one transfer.
-    """
-    if tree.size == 1:  # a root alone (plain decoding): its choice is the next token
-        return Step(path=tree.depths.new_zeros(1), next_token=choice[0], accept_length=0, tokens=[int(choice[0])],
-                    fuzzy=0, divergences=[float("nan")], fuzzy_mask=[False], path_is_prefix=True)
+def accepted_mask(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """(n,) bool: every node on the root path matches its parent's choice, no ancestor is blocked."""
     parents = tree.parents.clamp(min=0)
     matches_parent = tree.tokens == choice[parents]
     if blocked is not None:
         matches_parent &= ~blocked[parents]
     matches_parent[0] = True
-    # Accepted iff every node on the root path matches its parent's choice; -1 padding counts as a match.
-    padded = torch.cat([matches_parent, matches_parent.new_ones(1)])
-    accepted = padded[tree.ancestors].all(dim=1)
+    padded = torch.cat([matches_parent, matches_parent.new_ones(1)])  # -1 padding of `ancestors` counts as a match
+    return padded[tree.ancestors].all(dim=1)
+
+
+def summarise_path(tree: DraftTree, choice: torch.Tensor, accepted: torch.Tensor, unrelaxed: torch.Tensor,
+                   divergences: torch.Tensor | None) -> PathSummary:
+    """The deepest accepted node b and its root path, as device tensors (no host sync)."""
     deepest = torch.where(accepted, tree.depths, -1).argmax()
-    width = tree.ancestors.shape[1]
-    path = tree.ancestors[deepest]  # (width,), -1 after the deepest node
+    path = tree.ancestors[deepest]  # (width,), -1 after b
     on_path = path >= 0
     node = path.clamp(min=0)
-    unrelaxed = choice if target_choice is None else target_choice
-    is_fuzzy = on_path & (node > 0) & (tree.tokens[node] != unrelaxed[parents[node]])
+    fuzzy = on_path & (node > 0) & (tree.tokens[node] != unrelaxed[tree.parents.clamp(min=0)[node]])
     if divergences is None:
-        path_div = torch.full((width,), float("nan"), device=path.device)
+        path_div = torch.full(path.shape, math.nan, device=path.device)
     else:
-        path_div = torch.where(on_path & (top_child(tree)[node] >= 0), divergences[node].float(), float("nan"))
-    host = torch.cat([tree.depths[deepest].reshape(1).double(), tree.tokens[node].double(),
-                      choice[deepest].reshape(1).double(), is_fuzzy.double(), path_div.double(),
-                      deepest.reshape(1).double()]).tolist()
-    accept_length = int(host[0])
-    tokens = [int(t) for t in host[2: 1 + accept_length + 1]] + [int(host[1 + width])]
-    fuzzy_mask = [bool(f) for f in host[2 + width + 1: 2 + width + accept_length + 1]] + [False]
-    path_divs = host[2 + 2 * width: 2 + 2 * width + accept_length + 1]
-    return Step(path=path[: accept_length + 1], next_token=choice[deepest], accept_length=accept_length,
-                tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=path_divs, fuzzy_mask=fuzzy_mask,
-                path_is_prefix=int(host[-1]) == accept_length)  # ascending node ids 0..a end at a only if 0..a
+        path_div = torch.where(on_path & (top_child(tree)[node] >= 0), divergences[node].float(), math.nan)
+    return PathSummary(deepest, tree.depths[deepest], tree.tokens[node], choice[deepest], fuzzy, path_div)
+
+
+def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None = None,
+           target_choice: torch.Tensor | None = None, divergences: torch.Tensor | None = None) -> Step:
+    """Walk the tree against `choice` (the target's choices, possibly relaxed by FSD; `blocked` nodes accept no
+    child). target_choice: the unrelaxed choices, to count fuzzy accepts (defaults to `choice`: none are fuzzy).
+    divergences: (n,) per-node D, reported along the path. One host sync per call."""
+    if tree.size == 1:  # a root alone (plain decoding): its choice is the next token
+        return Step(path=tree.depths.new_zeros(1), next_token=choice[0], accept_length=0, tokens=[int(choice[0])],
+                    fuzzy=0, divergences=[math.nan], fuzzy_mask=[False], path_is_prefix=True)
+    unrelaxed = choice if target_choice is None else target_choice
+    summary = summarise_path(tree, choice, accepted_mask(tree, choice, blocked), unrelaxed, divergences)
+    host = to_host(summary)
+    a = int(host.depth)
+    tokens = [int(t) for t in host.tokens[1: a + 1].tolist()] + [int(host.next_token)]
+    fuzzy_mask = [bool(f) for f in host.fuzzy[1: a + 1].tolist()] + [False]
+    return Step(path=tree.ancestors[summary.deepest][: a + 1], next_token=summary.next_token, accept_length=a,
+                tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=host.divergences[: a + 1].tolist(),
+                fuzzy_mask=fuzzy_mask, path_is_prefix=int(host.deepest) == a)  # ids 0..a end at a only if 0..a
 
 
 def acceptance_by_depth(accept_lengths: list[int]) -> list[float]:

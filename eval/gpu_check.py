@@ -1,6 +1,6 @@
 """One-command GPU check of the tree-attention kernel: parity at real sizes, then timings against SDPA.
 
-    python -m eagle_fsd.kernels.gpu_check [--toy] [--out DIR] [--reps N]
+    python -m eagle_fsd.eval.gpu_check [--toy] [--out DIR] [--reps N]
 
 On CUDA (meant for one H200, whole run well under 5 minutes):
   1. parity: bf16 at real sizes (Hq 32, Hkv 8, head_dim 128; prefixes up to 8k, trees up to 64 nodes, per-batch random
@@ -11,9 +11,10 @@ On CUDA (meant for one H200, whole run well under 5 minutes):
      (a) SDPA with a dense 4-D bool mask (as transformers' sdpa path does it: repeat_kv + mask; and with enable_gqa) and
      (b) SDPA with no mask over the same q = N rows and all L keys (the cost floor),
      at prefix 512/2k/8k x tree 16/64 x batch 1/8, Hq 32, Hkv 8, head_dim 128, bf16.
-  3. fused divergence (eagle_fsd.kernels.fused_divergence): parity of every name against eagle_fsd.divergence.divergence
-     (64 nodes incl. edge rows, vocab 32000 / 128256, bf16; "PARITY FAILURE" and exit 1 on a mismatch), then timings of
-     kl_qp / kl_pq / jsd / tv against the torch reference (a second table; parity only with --skip-timing).
+  3. fused divergence (eagle_fsd.kernels.fused_divergence; gpu_check_divergence.py): parity of every name against
+     eagle_fsd.divergence.divergence (64 nodes incl. edge rows, vocab 32000 / 128256, bf16; "PARITY FAILURE" and exit 1
+     on a mismatch), then timings of kl_qp / kl_pq / jsd / tv against the torch reference (a second table; parity only
+     with --skip-timing).
   Prints the tables and writes the raw numbers to DIR/gpu_check.json (and the table to DIR/gpu_check_table.txt);
   DIR defaults to $OUT if set, else ./gpu_check_out.
 
@@ -36,15 +37,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .tree_attention import (
-    is_interpreting,
-    kernel_available,
-    pack_tree_mask,
-    tree_attention,
-    tree_attention_reference,
-)
+from eagle_fsd.eval.gpu_check_divergence import fused_divergence_table, table_header, table_row, time_fused_divergence
+from eagle_fsd.kernels import is_interpreting, kernel_available, pack_tree_mask, tree_attention, tree_attention_reference
 
-_ta = importlib.import_module(__package__ + ".tree_attention")  # the module (the package exports a same-named function)
+_ta = importlib.import_module("eagle_fsd.kernels.tree_attention")  # the module (the package exports a function too)
 
 # Tolerances on ||out - ref|| / ||ref|| (Frobenius) and on max |out - ref| / max |ref|.
 _REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 2e-5}
@@ -292,7 +288,7 @@ def run_timing(device, toy: bool, bench: Bench, seed: int = 1):
             row["speedup_vs_sdpa_mask"] = min(masked) / row["tree_us"] if masked else None
             row["ratio_vs_sdpa_plain"] = row["sdpa_plain_us"] / row["tree_us"] if row.get("sdpa_plain_us") else None
         rows.append(row)
-        print(_table_row(row, _COLS), flush=True)
+        print(table_row(row, _COLS), flush=True)
     return rows
 
 
@@ -300,144 +296,6 @@ _COLS = [("B", 3), ("P", 6), ("N", 4), ("splits", 6), ("tree_us", 9), ("tree_nos
          ("sdpa_mask_us", 9), ("sdpa_mask_gqa_us", 9), ("sdpa_plain_us", 9), ("speedup_vs_sdpa_mask", 8),
          ("ratio_vs_sdpa_plain", 8)]
 _HEAD = ["B", "P", "N", "splits", "tree", "nosplit", "pack", "sdpa_msk", "sdpa_gqa", "sdpa_pln", "x_mask", "x_plain"]
-
-
-def _table_header(heads, cols) -> str:
-    return " ".join(h.rjust(w) for h, (_, w) in zip(heads, cols))
-
-
-def _table_row(row, cols) -> str:
-    """One right-aligned line: ratios to 2 decimals, errors in e-notation, times to 1 decimal, '-' where missing."""
-    cells = []
-    for key, w in cols:
-        val = row.get(key)
-        if val is None:
-            cells.append("-".rjust(w))
-        elif isinstance(val, float):
-            fmt = ".2f" if key.startswith(("speedup", "ratio")) else ".1e" if key.endswith("err") else ".1f"
-            cells.append(format(val, fmt).rjust(w))
-        else:
-            cells.append(str(val).rjust(w))
-    return " ".join(cells)
-
-
-# ======================================================================================================================
-# 3. Fused divergence (eagle_fsd.kernels.fused_divergence) vs the torch reference eagle_fsd.divergence.divergence
-# ======================================================================================================================
-
-_FD_TIMED = ("kl_qp", "kl_pq", "jsd", "tv")  # timed; parity covers every name
-_FD_SIZES = {True: (8, (300,)), False: (64, (32000, 128256))}  # toy -> (rows, vocabs); Llama-2/Vicuna and Llama-3
-_FD_RTOL, _FD_ATOL = 5e-4, 5e-5  # both sides read the same bf16 values and compute in float32
-
-
-def _fd_inputs(rows: int, vocab: int, dtype, device, gen):
-    """(target, draft) logits: random rows at scales 1..10 with draft = target + noise (1e-3..3 times the scale), then
-    6 edge rows: identical, disjoint supports, NaN in target, +inf in draft, all -inf draft, target zeros (-inf) where
-    the draft has mass. The draft is a view of a wider buffer (row stride V + 64)."""
-    n_rand = rows - 6
-    scale = torch.linspace(1.0, 10.0, n_rand)[:, None]
-    level = torch.tensor([1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0])[torch.arange(n_rand) % 6][:, None]
-    t = torch.randn(rows, vocab, generator=gen)
-    t[:n_rand] *= scale
-    noise = torch.randn(rows, vocab, generator=gen)
-    d = t.clone()
-    d[:n_rand] += level * scale * noise[:n_rand]
-    e = n_rand
-    d[e] = t[e]  # identical -> exactly 0
-    half = vocab // 2
-    t[e + 1, half:] = float("-inf")  # disjoint supports
-    d[e + 1] = noise[e + 1]
-    d[e + 1, :half] = float("-inf")
-    t[e + 2, vocab // 3] = float("nan")
-    d[e + 3, vocab // 5] = float("inf")
-    d[e + 4] = float("-inf")
-    t[e + 5, : vocab // 4] = float("-inf")  # KL(q||p) = inf, legacy_js = inf
-    wide = torch.empty(rows, vocab + 64, dtype=dtype)  # 16-byte aligned rows, as an lm_head output slice would be
-    wide[:, :vocab] = d.to(dtype)
-    return t.to(device=device, dtype=dtype), wide.to(device)[:, :vocab]
-
-
-def _fd_compare(got: torch.Tensor, ref: torch.Tensor, identical_row: int) -> dict:
-    g, r = got.double().cpu(), ref.double().cpu()
-    fin = torch.isfinite(r) & torch.isfinite(g)
-    err = (g[fin] - r[fin]).abs()
-    ratio = err / (_FD_ATOL + _FD_RTOL * r[fin].abs())  # <= 1 passes
-    ok = (torch.equal(torch.isnan(g), torch.isnan(r)) and torch.equal(torch.isposinf(g), torch.isposinf(r))
-          and bool((ratio <= 1.0).all()) and float(g[identical_row]) == 0.0)
-    return {"ok": ok, "max_abs_err": float(err.max()) if err.numel() else 0.0,
-            "max_tol_ratio": float(ratio.max()) if err.numel() else 0.0}
-
-
-def time_fused_divergence(device, toy: bool, bench):
-    """Parity (every name, default / one-split / alternative config) and timings (kl_qp, kl_pq, jsd, tv) of
-    fused_divergence against the torch reference: 64 tree nodes x vocab 32000 / 128256, bf16 logits (toy: 8 x 300 on
-    the interpreter). One dict per (vocab, name); bench None: parity only. Parity failures print "PARITY FAILURE"."""
-    from eagle_fsd.divergence import DIVERGENCES, divergence
-
-    from . import divergence as fd_mod
-    from .divergence import fused_divergence
-
-    gen = torch.Generator().manual_seed(2)
-    rows, vocabs = _FD_SIZES[toy]
-    dtype = torch.bfloat16
-    alt = {"config": {"BLOCK_V": 128, "num_warps": 4}, "num_splits": 2} if toy else \
-        {"config": {"BLOCK_V": 4096, "num_warps": 8}}
-    variants = {"fused": {}, "fused_nosplit": {"num_splits": 1}, "fused_alt": alt}
-    timed_variants = ("fused",) if toy else tuple(variants)  # the interpreter is slow; parity runs every variant
-    out_rows, header_printed = [], False
-    for vocab in vocabs:
-        t, d = _fd_inputs(rows, vocab, dtype, device, gen)
-        ident = rows - 6
-        for name in DIVERGENCES:
-            row = {"name": name, "N": rows, "V": vocab, "dtype": "bfloat16", "alt_config": str(alt)}
-            try:
-                ref = divergence(t, d, name)
-                row["parity_ok"] = True
-                for var, kw in variants.items():
-                    got = fused_divergence(t, d, name, **kw)
-                    cmp = _fd_compare(got, ref, ident)
-                    row[var + "_splits"] = fd_mod.last_launch[0]
-                    row[var + "_max_abs_err"] = cmp["max_abs_err"]
-                    row[var + "_max_tol_ratio"] = cmp["max_tol_ratio"]
-                    row["parity_ok"] &= cmp["ok"]
-                if bench is not None and name in _FD_TIMED:
-                    providers = {var: (lambda kw=variants[var]: fused_divergence(t, d, name, **kw))
-                                 for var in timed_variants}
-                    providers["torch"] = lambda: divergence(t, d, name)
-                    for var, fn in providers.items():
-                        row[var + "_us"] = bench(fn)["median_us"]
-                    # effective bandwidth of one read of both inputs (the kernel reads them twice; pass 2
-                    # mostly hits L2)
-                    nbytes = 2 * rows * vocab * t.element_size()
-                    row["fused_GBps_1read"] = nbytes / (row["fused_us"] * 1e-6) / 1e9
-                    row["speedup_vs_torch"] = row["torch_us"] / row["fused_us"]
-            except Exception as exc:  # keep going; report every case
-                row.update({"parity_ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
-            if not row["parity_ok"]:
-                print(f"PARITY FAILURE: fused_divergence {row}", flush=True)
-            elif bench is None or name not in _FD_TIMED:
-                print(f"fused_divergence parity ok {name:9s} V={vocab} max_abs_err="
-                      f"{max(row[v + '_max_abs_err'] for v in variants):.2e}", flush=True)
-            else:
-                if not header_printed:
-                    print(_table_header(_FD_HEAD, _FD_COLS), flush=True)
-                    header_printed = True
-                print(_table_row(row, _FD_COLS), flush=True)
-            out_rows.append(row)
-    return out_rows
-
-
-_FD_COLS = [("V", 7), ("name", 9), ("fused_splits", 6), ("fused_us", 9), ("fused_nosplit_us", 9), ("fused_alt_us", 9),
-            ("torch_us", 9), ("speedup_vs_torch", 8), ("fused_GBps_1read", 8), ("fused_max_abs_err", 9)]
-_FD_HEAD = ["V", "name", "splits", "fused", "nosplit", "alt", "torch", "x_torch", "GB/s", "max_err"]
-
-
-def fused_divergence_table(rows) -> str:
-    timed = [r for r in rows or [] if r.get("fused_us") is not None]
-    if not timed:
-        return ""
-    title = f"fused divergence, N={timed[0]['N']} nodes, bf16 (median us)"
-    return "\n".join([title, _table_header(_FD_HEAD, _FD_COLS)] + [_table_row(r, _FD_COLS) for r in timed])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -453,66 +311,82 @@ def _versions():
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eagle_fsd.kernels.gpu_check", description=__doc__.split("\n\n")[0])
+def _parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m eagle_fsd.eval.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--toy", action="store_true", help="tiny sizes, CPU/interpreter allowed (for CI)")
     ap.add_argument("--out", default=None, help="results folder (default: $OUT, else ./gpu_check_out)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     ap.add_argument("--skip-timing", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not is_interpreting():
-        if args.toy and os.environ.get("TRITON_INTERPRET") != "1":  # re-run with the interpreter chosen before import
+
+def _pick_device(toy: bool):
+    """CUDA, or (--toy) the CPU under the Triton interpreter, re-executing with it chosen before import; None when
+    neither can run."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not is_interpreting():
+        if toy and os.environ.get("TRITON_INTERPRET") != "1":
             env = dict(os.environ, TRITON_INTERPRET="1")
-            os.execve(sys.executable, [sys.executable, "-m", "eagle_fsd.kernels.gpu_check", *sys.argv[1:]], env)
+            os.execve(sys.executable, [sys.executable, "-m", "eagle_fsd.eval.gpu_check", *sys.argv[1:]], env)
         print("gpu_check: no CUDA device and the Triton interpreter is off; use --toy (CPU, interpreter)",
               file=sys.stderr)
-        return 2
-    if not cuda and not args.toy:
+        return None
+    if not toy:
         print("gpu_check: no CUDA device; only --toy can run here", file=sys.stderr)
-        return 2
-    device = torch.device("cuda" if cuda else "cpu")
-    assert kernel_available(device)
-    out_dir = args.out or os.environ.get("OUT") or "gpu_check_out"
-    os.makedirs(out_dir, exist_ok=True)
+        return None
+    return torch.device("cpu")
 
-    t_start = time.perf_counter()
-    meta = {"versions": _versions(), "device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)",
-            "interpreting": is_interpreting(), "toy": args.toy,
+
+def _meta(device, toy: bool) -> dict:
+    cuda = device.type == "cuda"
+    return {"versions": _versions(), "device": torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)",
+            "interpreting": is_interpreting(), "toy": toy,
             "autotune": getattr(_ta, "_autotuned", None) is not None
             and os.environ.get("EAGLE_FSD_TREE_ATTN_AUTOTUNE", "1") != "0"}
-    print(f"gpu_check: {meta}", flush=True)
 
+
+def _run_checks(device, args) -> tuple[dict, str]:
+    """Parts 1-3: (results, the printed tables)."""
     print("== 1. parity ==", flush=True)
     parity, parity_ok = run_parity(device, args.toy)
-
     timing, table, bench = [], "", None
     if not args.skip_timing:
         print("== 2. timing (median us) ==", flush=True)
         reps = args.reps or (2 if args.toy else 50)
         bench = Bench(device, warmup=1 if args.toy else 10, reps=reps)
-        print(_table_header(_HEAD, _COLS), flush=True)
+        print(table_header(_HEAD, _COLS), flush=True)
         timing = run_timing(device, args.toy, bench)
-        table = "\n".join([_table_header(_HEAD, _COLS)] + [_table_row(r, _COLS) for r in timing])
-
+        table = "\n".join([table_header(_HEAD, _COLS)] + [table_row(r, _COLS) for r in timing])
     print("== 3. fused divergence: parity" + ("" if bench is None else " + timing (median us)") + " ==", flush=True)
     fused = time_fused_divergence(device, args.toy, bench)  # bench None (--skip-timing): parity only
-    fused_ok = all(r["parity_ok"] for r in fused)
     fused_table = fused_divergence_table(fused)
     if fused_table:
         table = f"{table}\n\n{fused_table}" if table else fused_table
+    return {"parity_ok": parity_ok, "parity": parity, "timing": timing, "fused_divergence": fused,
+            "fused_divergence_parity_ok": all(r["parity_ok"] for r in fused)}, table
 
-    results = {"meta": meta, "parity_ok": parity_ok, "parity": parity, "timing": timing,
-               "fused_divergence": fused, "fused_divergence_parity_ok": fused_ok,
-               "wall_s": time.perf_counter() - t_start}
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    device = _pick_device(args.toy)
+    if device is None:
+        return 2
+    assert kernel_available(device)
+    out_dir = args.out or os.environ.get("OUT") or "gpu_check_out"
+    os.makedirs(out_dir, exist_ok=True)
+    t_start = time.perf_counter()
+    meta = _meta(device, args.toy)
+    print(f"gpu_check: {meta}", flush=True)
+    checks, table = _run_checks(device, args)
+    results = {"meta": meta, **checks, "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "gpu_check_table.txt"), "w") as f:
         f.write(table + "\n")
     if table:
         print("\n" + table)
-    all_ok = parity_ok and fused_ok
+    all_ok = results["parity_ok"] and results["fused_divergence_parity_ok"]
     verdict = "GPU CHECK PASSED" if all_ok else "GPU CHECK FAILED: parity (see PARITY FAILURE lines)"
     print(f"\n{verdict}; wall {results['wall_s']:.1f}s; results in {os.path.join(out_dir, 'gpu_check.json')}")
     return 0 if all_ok else 1
