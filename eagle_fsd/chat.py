@@ -18,13 +18,13 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from transformers import TextStreamer
 
 from eagle_fsd.divergence import DIVERGENCES
-from eagle_fsd.eval.mtbench import (PromptFormat, add_fsd_args, add_model_args, finish_model_args, generate,
-                                    load_model)
-from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.prompts import PromptFormat, generate_reply
+from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, load_model, parse_settings
 
 COMMANDS_HELP = """commands:
   /fsd T          fuzzy acceptance with threshold T (>= 0)      /fsd off   lossless again
@@ -156,18 +156,30 @@ def reply_stats(out) -> str:
             f"fuzzy fraction {out.fuzzy_fraction:.2f}]")
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """`eagle-fsd chat`: the settings, a system message, one --prompt for scripts ('-': stdin), and when to colour
+    the fuzzily accepted tokens (auto: at a terminal)."""
+
+    settings: Settings
+    system: str | None = None
+    prompt: str | None = None
+    color: str = "auto"
+
+
 class ChatSession:
-    """A conversation (history through the chat template) plus the settings the slash commands change.
+    """A conversation (history through the chat template) plus the generation and FSD settings the slash commands
+    change.
 
-    out: where replies stream; info: where statistics and command answers go."""
+    out: where replies stream; info: where statistics and command answers go; colour: always, never or auto."""
 
-    def __init__(self, model, fmt: PromptFormat, args, out=sys.stdout, info=None):
-        self.model, self.fmt, self.args = model, fmt, args
+    def __init__(self, model, fmt: PromptFormat, settings: Settings, out=sys.stdout, info=None, colour="never"):
+        self.model, self.fmt = model, fmt
+        self.generation, self.fsd = settings.generation, settings.fsd
         self.out, self.info = out, info or out
         self.messages: list[dict] = []
         self.totals = Totals()
         self.flag = InterruptFlag()
-        colour = getattr(args, "color", "never")
         self.colour = colour == "always" or (colour == "auto" and hasattr(out, "isatty") and out.isatty())
 
     def say(self, text: str) -> None:
@@ -176,10 +188,10 @@ class ChatSession:
 
     # ------------------------------------------------------------ settings
     def settings_line(self) -> str:
-        a = self.args
-        mode = "plain decoding" if a.baseline else (
-            "lossless" if a.fsd_threshold is None else f"FSD {a.fsd_divergence} T={a.fsd_threshold:g} ({a.fsd_mode})")
-        return f"{mode}, temperature {a.temperature:g}, max {a.max_new_token} new tokens"
+        gen, fsd = self.generation, self.fsd
+        mode = "plain decoding" if gen.baseline else (
+            "lossless" if fsd.threshold is None else f"FSD {fsd.divergence} T={fsd.threshold:g} ({fsd.mode})")
+        return f"{mode}, temperature {gen.temperature:g}, max {gen.max_new_tokens} new tokens"
 
     def command(self, line: str) -> bool:
         """Run a slash command; False when the session should end."""
@@ -197,16 +209,14 @@ class ChatSession:
 
     def set_fsd(self, value: str) -> None:
         if value == "off":
-            self.args.fsd_threshold = None
+            self.fsd = replace(self.fsd, threshold=None)
         else:
             try:
-                threshold = float(value)
-                FsdConfig(threshold, self.args.fsd_divergence, self.args.fsd_mode)
+                self.fsd = replace(self.fsd, threshold=float(value))
             except ValueError:
                 self.say(f"/fsd {value!r}: expected a threshold >= 0 (e.g. /fsd 0.5) or /fsd off")
                 return
-            self.args.fsd_threshold = threshold
-        if self.args.baseline:
+        if self.generation.baseline:
             self.say("note: --baseline runs plain decoding; FSD settings apply without it")
         self.say(self.settings_line())
 
@@ -214,7 +224,7 @@ class ChatSession:
         if value not in DIVERGENCES:
             self.say(f"/divergence {value!r}: expected one of {', '.join(DIVERGENCES)}")
             return
-        self.args.fsd_divergence = value
+        self.fsd = replace(self.fsd, divergence=value)
         self.say(self.settings_line())
 
     def set_temperature(self, value: str) -> None:
@@ -225,7 +235,7 @@ class ChatSession:
         except ValueError:
             self.say(f"/temp {value!r}: expected a number >= 0 (0 = greedy)")
             return
-        self.args.temperature = temperature
+        self.generation = replace(self.generation, temperature=temperature)
         self.say(self.settings_line())
 
     def reset(self, _value: str = "") -> None:
@@ -248,7 +258,7 @@ class ChatSession:
         self.flag.generating, self.flag.requested = True, False
         start = time.perf_counter()
         try:
-            out = generate(self.model, ids, self.args, self.fmt, streamer=streamer)
+            out = generate_reply(self.model, ids, self.generation, self.fsd, self.fmt, streamer=streamer)
         except (ReplyInterrupted, KeyboardInterrupt):
             return self._keep_partial(streamer, time.perf_counter() - start)
         except ValueError as err:  # e.g. the history outgrew the model's context
@@ -312,7 +322,7 @@ def interactive_lines():
             return
 
 
-def parse_args(argv):
+def parse_args(argv) -> ChatOptions:
     p = argparse.ArgumentParser(prog="eagle-fsd chat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, max_new_flag=("--max-new-tokens", "--max-new-token"), max_new_default=512)
@@ -322,33 +332,33 @@ def parse_args(argv):
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="show fuzzily accepted tokens in yellow (auto: when writing to a terminal)")
     args = p.parse_args(argv)
-    finish_model_args(p, args)
-    return args
+    return ChatOptions(parse_settings(p, args), args.system, args.prompt, args.color)
 
 
-def run(model, args, stdin=None, stdout=None, stderr=None) -> int:
+def run(model, options: ChatOptions, stdin=None, stdout=None, stderr=None) -> int:
     """Chat with a loaded model: one --prompt, or lines from stdin (interactive at a terminal)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
-    fmt = PromptFormat(model.tokenizer, args.conv_template, args.system)
-    if args.prompt is not None:
+    settings = options.settings
+    fmt = PromptFormat(model.tokenizer, settings.model.conv_template, options.system)
+    if options.prompt is not None:
         # Scripts: the reply on stdout, the statistics on stderr (so `$(eagle-fsd chat --prompt ...)` is the reply).
-        session = ChatSession(model, fmt, args, out=stdout, info=stderr)
-        text = stdin.read() if args.prompt == "-" else args.prompt
+        session = ChatSession(model, fmt, settings, out=stdout, info=stderr, colour=options.color)
+        text = stdin.read() if options.prompt == "-" else options.prompt
         with session.flag.installed():
             return 0 if session.reply(text.strip()) is not None else 1
-    session = ChatSession(model, fmt, args, out=stdout)
+    session = ChatSession(model, fmt, settings, out=stdout, colour=options.color)
     tty = stdin.isatty()
     if tty:
-        session.say(f"{args.model}: {session.settings_line()}. /help for commands, Ctrl-D to leave.")
+        session.say(f"{settings.model.model}: {session.settings_line()}. /help for commands, Ctrl-D to leave.")
     with session.flag.installed():
         return run_lines(session, interactive_lines() if tty and stdin is sys.stdin else stdin,
                          prompt=">>> " if tty else None)
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    model = load_model(args)
-    return run(model, args)
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    model = load_model(options.settings)
+    return run(model, options)
 
 
 if __name__ == "__main__":

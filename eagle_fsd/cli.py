@@ -21,12 +21,9 @@ COMMANDS = {  # name -> (module with a main(argv) -> int, one-line help)
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring and two examples."
 
 
-def run_main(argv=None) -> int:
-    import time
-
-    from transformers import TextStreamer
-
-    from eagle_fsd.eval.mtbench import PromptFormat, add_fsd_args, add_model_args, finish_model_args, load_model
+def parse_run_args(argv):
+    """(Settings, the run's own flags: prompt, no_baseline, profile)."""
+    from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
 
     p = argparse.ArgumentParser(prog="eagle-fsd run", description=COMMANDS["run"][1])
     add_model_args(p, max_new_flag=("--max-new-tokens", "--max-new-token"), max_new_default=128, baseline_flag=False)
@@ -35,47 +32,66 @@ def run_main(argv=None) -> int:
     p.add_argument("--no-baseline", action="store_true", help="skip the comparison with HF generate")
     p.add_argument("--profile", action="store_true", help="print the time of each phase of the loop")
     args = p.parse_args(argv)
-    finish_model_args(p, args)  # bad FSD settings fail before loading models
+    return parse_settings(p, args), args  # bad FSD settings fail here, before loading models
 
-    model = load_model(args)
+
+def run_main(argv=None) -> int:
+    from transformers import TextStreamer
+
+    from eagle_fsd.prompts import PromptFormat
+    from eagle_fsd.settings import load_model
+
+    settings, args = parse_run_args(argv)
+    model = load_model(settings)
     tok = model.tokenizer
     if model.tuning is not None:
         from eagle_fsd.tune import describe
 
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
-    ids = PromptFormat(tok, args.conv_template).encode([{"role": "user", "content": args.prompt}])
+    ids = PromptFormat(tok, settings.model.conv_template).encode([{"role": "user", "content": args.prompt}])
     ids = ids.to(model.base_model.device)
-    sampling = dict(max_new_tokens=args.max_new_token, temperature=args.temperature, top_p=args.top_p)
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up
     print(f"\n>>> {args.prompt}\n")
     out = model.generate(ids, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
-                         return_dict=True, fsd_threshold=args.fsd_threshold, fsd_divergence=args.fsd_divergence,
-                         fsd_mode=args.fsd_mode, profile=args.profile, **sampling)
+                         return_dict=True, fsd=settings.fsd, profile=args.profile,
+                         **settings.generation.sampling_kwargs())
     speed = out.new_tokens / out.wall_time
-    print(f"\neagle-fsd: {out.new_tokens} tokens in {out.wall_time:.2f} s = {speed:.2f} tokens/s, "
-          f"tau = {out.tau:.2f} tokens per target forward ({out.verify_steps} verification steps)")
+    print_run(out, settings.fsd, args.profile)
+    if not args.no_baseline:
+        compare_with_hf_generate(model, ids, settings.generation, out.sequences, speed)
+    return 0
+
+
+def print_run(out, fsd, profile: bool) -> None:
+    """Speed, tau (tokens per target forward), the speed guard's plain steps, FSD's share, time by phase."""
+    print(f"\neagle-fsd: {out.new_tokens} tokens in {out.wall_time:.2f} s = {out.new_tokens / out.wall_time:.2f} "
+          f"tokens/s, tau = {out.tau:.2f} tokens per target forward ({out.verify_steps} verification steps)")
     if out.fell_back:
         print(f"speed guard: {out.plain_steps} of {out.verify_steps} steps decoded plainly (speculation measured "
               "slower than plain decoding)")
-    if args.fsd_threshold is not None:
-        print(f"fsd {args.fsd_divergence} T={args.fsd_threshold:g}: fuzzy fraction {out.fuzzy_fraction:.2f}")
-    if args.profile:
+    if fsd.threshold is not None:
+        print(f"fsd {fsd.divergence} T={fsd.threshold:g}: fuzzy fraction {out.fuzzy_fraction:.2f}")
+    if profile:
         total = sum(out.phase_seconds.values())
         print("time by phase: " + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f} %)"
                                             for k, v in out.phase_seconds.items()) + " (after prefill)")
-    if not args.no_baseline:
-        print("HF generate of the same prompt (the target alone)...", flush=True)
-        hf = dict(do_sample=args.temperature > 0, max_new_tokens=args.max_new_token)
-        if args.temperature > 0:
-            hf.update(temperature=args.temperature, top_p=args.top_p)
-        start = time.perf_counter()
-        seq = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), **hf)
-        wall = time.perf_counter() - start
-        new = seq.shape[1] - ids.shape[1]
-        same = "identical output" if torch.equal(seq, out.sequences) else "different output"
-        print(f"HF generate: {new} tokens in {wall:.2f} s = {new / wall:.2f} tokens/s")
-        print(f"speedup:   {speed / (new / wall):.2f}x ({same})")
-    return 0
+
+
+def compare_with_hf_generate(model, ids, generation, sequences, speed: float) -> None:
+    """HF generate of the same prompt with the target alone: its speed, our speedup, and whether outputs match."""
+    import time
+
+    print("HF generate of the same prompt (the target alone)...", flush=True)
+    hf = dict(do_sample=generation.temperature > 0, max_new_tokens=generation.max_new_tokens)
+    if generation.temperature > 0:
+        hf.update(temperature=generation.temperature, top_p=generation.top_p)
+    start = time.perf_counter()
+    seq = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), **hf)
+    wall = time.perf_counter() - start
+    new = seq.shape[1] - ids.shape[1]
+    same = "identical output" if torch.equal(seq, sequences) else "different output"
+    print(f"HF generate: {new} tokens in {wall:.2f} s = {new / wall:.2f} tokens/s")
+    print(f"speedup:   {speed / (new / wall):.2f}x ({same})")
 
 
 def main(argv=None) -> int:

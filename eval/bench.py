@@ -16,13 +16,30 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
 from eagle_fsd.eval.data import load_questions
-from eagle_fsd.eval.mtbench import PromptFormat, add_model_args, load_model
+from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.prompts import PromptFormat
+from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, load_model, parse_settings
 
 PHASES = ("draft", "verify", "accept", "cache", "other")
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """One `eagle-fsd bench` run: the settings (greedy; the FSD rows take the mode from settings.fsd), how many
+    MT-Bench first turns, and which methods beside HF generate and eagle-fsd."""
+
+    settings: Settings
+    questions: int = 10
+    question_file: str | None = None
+    hf_assisted: bool = True
+    plain: bool = True
+    fsd_rows: list[FsdConfig] = field(default_factory=list)  # one row per (divergence, T)
+    also_tree: list[str] = field(default_factory=list)  # "TOTAL_TOKEN,DEPTH,TOP_K"
 
 
 def parse_fsd(specs: list[str]) -> list[tuple[str, float]]:
@@ -52,21 +69,20 @@ def hf_method(target, max_new_tokens: int, assistant=None):
     return run
 
 
-def methods_for(model, args) -> dict:
-    target, n = model.base_model, args.max_new_token
+def methods_for(model, job: BenchJob) -> dict:
+    target, n = model.base_model, job.settings.generation.max_new_tokens
     methods = {"hf-generate": hf_method(target, n)}
-    if not args.no_plain:
+    if job.plain:
         methods["plain"] = lambda ids: model.naive_generate(ids, max_new_tokens=n, return_dict=True)
     assistant = getattr(model.drafter, "model", None)
-    if args.hf_assisted and assistant is not None:
+    if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)
     methods["eagle-fsd"] = lambda ids: model.generate(ids, max_new_tokens=n, return_dict=True)
-    for spec in args.also_tree:  # a fixed tree with the full draft vocabulary, no guard (e.g. the old default)
+    for spec in job.also_tree:  # a fixed tree with the full draft vocabulary, no guard (e.g. the old default)
         methods[f"eagle-fsd tree {spec}"] = fixed_tree_method(model, spec, n)
-    for name, threshold in parse_fsd(args.fsd):
-        methods[f"fsd {name} T={threshold:g}"] = (lambda name, t: lambda ids: model.generate(
-            ids, max_new_tokens=n, fsd_threshold=t, fsd_divergence=name, fsd_mode=args.fsd_mode,
-            return_dict=True))(name, threshold)
+    for fsd in job.fsd_rows:
+        methods[f"fsd {fsd.divergence} T={fsd.threshold:g}"] = (lambda fsd: lambda ids: model.generate(
+            ids, max_new_tokens=n, fsd=fsd, return_dict=True))(fsd)
     return methods
 
 
@@ -89,11 +105,11 @@ def fixed_tree_method(model, spec: str, max_new_tokens: int):
     return run
 
 
-def run(args) -> dict:
+def run(job: BenchJob) -> dict:
     torch.manual_seed(0)
-    model = load_model(args)
-    ids_list = prompts(model.tokenizer, args.questions, args.question_file)
-    methods = methods_for(model, args)
+    model = load_model(job.settings)
+    ids_list = prompts(model.tokenizer, job.questions, job.question_file)
+    methods = methods_for(model, job)
     model.generate(ids_list[0][:, :16], max_new_tokens=8)  # warm-up
     model.base_model.generate(ids_list[0][:, :16], attention_mask=torch.ones_like(ids_list[0][:, :16]),
                               do_sample=False, max_new_tokens=8)
@@ -122,10 +138,10 @@ def run(args) -> dict:
             elif not name.startswith("fsd"):
                 t["identical"] += int(torch.equal(seq, reference[qi]))
         print(f"question {qi + 1}/{len(ids_list)} done", flush=True)
-    return summarize(model, args, ids_list, totals, per_question)
+    return summarize(model, job.settings, ids_list, totals, per_question)
 
 
-def summarize(model, args, ids_list, totals, per_question) -> dict:
+def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict:
     base = totals["hf-generate"]["tokens"] / totals["hf-generate"]["seconds"]
     rows = []
     for name, t in totals.items():
@@ -144,9 +160,10 @@ def summarize(model, args, ids_list, totals, per_question) -> dict:
         rows.append(row)
     from eagle_fsd.presets import drafter_label
 
-    result = {"model": args.model, "drafter": args.ea_model_path or args.drafter or drafter_label(args.model),
+    m = settings.model
+    result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
               "dtype": str(model.base_model.dtype).replace("torch.", ""), "questions": len(ids_list),
-              "max_new_tokens": args.max_new_token, "tree": [model.total_token, model.depth, model.top_k],
+              "max_new_tokens": settings.generation.max_new_tokens, "tree": [model.total_token, model.depth, model.top_k],
               "threads": torch.get_num_threads(), "rows": rows}
     if model.tuning is not None:
         by_name = {r["method"]: r for r in rows}
@@ -177,7 +194,8 @@ def print_table(result: dict) -> None:
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[BenchJob, str | None]:
+    """(the job, the --json path)."""
     p = argparse.ArgumentParser(prog="eagle-fsd bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, max_new_flag=("--max-new-tokens", "--max-new-token"), max_new_default=128, baseline_flag=False)
@@ -188,16 +206,23 @@ def main(argv=None) -> int:
     p.add_argument("--fsd", action="append", default=[], help="DIVERGENCE:T1,T2,... (repeatable)")
     p.add_argument("--also-tree", action="append", default=[],
                    help="TOTAL_TOKEN,DEPTH,TOP_K: also run this fixed tree, full draft vocabulary (repeatable)")
-    p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
+    add_fsd_args(p, threshold_flag=False, divergence_flag=False)  # --fsd-mode; --fsd gives divergences and T
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_threads_arg(p)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run(args)
+    settings = parse_settings(p, args)
+    fsd_rows = [FsdConfig(t, name, settings.fsd.mode) for name, t in parse_fsd(args.fsd)]
+    job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
+                   args.also_tree)
+    return job, args.json
+
+
+def main(argv=None) -> int:
+    job, json_path = parse_args(argv)
+    result = run(job)
     print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     return 0
 

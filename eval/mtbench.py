@@ -17,206 +17,50 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from eagle_fsd.eval.data import load_questions
+from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.presets import drafter_label
+from eagle_fsd.prompts import PromptFormat, generate_reply
+from eagle_fsd.settings import (GenerationSettings, Settings, add_fsd_args, add_model_args, load_model,
+                                parse_settings)
 
-DTYPE_NAMES = ("bf16", "fp16", "fp32", "auto")
 RECORD_VERSION = 1
 
 
-# ---------------------------------------------------------------- model loading (shared with sweep and chat)
-def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = ("--max-new-token", "--max-new-tokens"),
-                   max_new_default: int = 1024, baseline_flag: bool = True) -> None:
-    """The model / drafter / tree / sampling / FSD flags every harness command shares (EAGLE's names where it has
-    one)."""
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="preset name, hub id or directory")
-    p.add_argument("--drafter", default=None,
-                   help="LM drafter sharing the tokenizer (preset, dir or hub id) or an EAGLE head directory; "
-                        "default: the preset's drafter")
-    p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
-                   help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
-    p.add_argument("--attention", choices=["auto", "sdpa", "triton"], default="auto")
-    p.add_argument("--total-token", type=tree_arg, default="auto",
-                   help="tree nodes incl. root, or auto (default): chosen by the measured cost model (eagle-fsd tune)")
-    p.add_argument("--depth", type=tree_arg, default="auto", help="draft forwards per step, or auto")
-    p.add_argument("--top-k", type=tree_arg, default="auto",
-                   help="draft tree branching (EAGLE's --top-k), not sampling; or auto")
-    p.add_argument(*max_new_flag, dest="max_new_token", type=int, default=max_new_default)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--conv-template", default=None,
-                   help="FastChat conversation template (e.g. vicuna_v1.1) for models without a chat template")
-    if baseline_flag:
-        p.add_argument("--baseline", action="store_true", help="plain decoding with the target alone (naive_generate)")
-    else:
-        p.set_defaults(baseline=False)
+@dataclass(frozen=True)
+class AnswerJob:
+    """One `eagle-fsd mtbench` run: the settings, which questions, and the answer file they go to."""
 
-
-def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True) -> None:
-    from eagle_fsd.divergence import DIVERGENCES
-
-    if threshold_flag:
-        p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
-    else:
-        p.set_defaults(fsd_threshold=None)
-    p.add_argument("--fsd-divergence", default="kl_qp", help=f"one of {', '.join(DIVERGENCES)}")
-    p.add_argument("--fsd-mode", default="reducible", choices=["reducible", "original"])
-
-
-def tree_arg(text: str):
-    """A tree setting: a positive int (EAGLE's meaning) or "auto" (the cost model's choice)."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int or 'auto' (EAGLE's GPU defaults: "
-                                         "total_token 60, depth 5, top_k 10)")
-    return value
-
-
-def finish_model_args(p: argparse.ArgumentParser, args) -> None:
-    """Bad FSD values fail at parse time, not after minutes of loading."""
-    from eagle_fsd.fsd import FsdConfig
-
-    try:
-        FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)
-    except ValueError as err:
-        p.error(str(err))
-
-
-def torch_dtype(name: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "auto": "auto"}[name]
-
-
-def is_eagle_head(path: str) -> bool:
-    """A local directory whose weights hold EAGLE's `fc` layer (the feature/embedding fusion no causal LM has)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return False
-    if (folder / "model.safetensors").is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            return "fc.weight" in f.keys()
-    if (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
-        return "fc.weight" in state
-    return False
-
-
-def load_model(args):
-    """EaFsdModel from the shared flags; a --drafter directory holding an EAGLE head is loaded as one."""
-    from eagle_fsd.model import EaFsdModel
-
-    head, lm = args.ea_model_path, args.drafter
-    if lm is not None and head is None and is_eagle_head(lm):
-        head, lm = lm, None
-    model = EaFsdModel.from_pretrained(args.model, ea_model_path=head, draft_model=lm, total_token=args.total_token,
-                                       depth=args.depth, top_k=args.top_k, dtype=torch_dtype(args.dtype),
-                                       attention=args.attention)
-    if model.drafter is None and not args.baseline:
-        raise SystemExit(f"{args.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
-                         "--ea-model-path HEAD, or --baseline for plain decoding")
-    return model
-
-
-# ---------------------------------------------------------------- prompts
-class PromptFormat:
-    """Messages -> prompt ids through the tokenizer's chat template, or a FastChat conversation template for models
-    that have none; also the reply clean-up that goes with the template (FastChat's stop strings)."""
-
-    def __init__(self, tokenizer, conv_template: str | None = None, system: str | None = None):
-        self.tokenizer, self.system = tokenizer, system
-        self.conv = None
-        if conv_template is not None:
-            from fastchat.conversation import get_conv_template
-
-            try:
-                self.conv = get_conv_template(conv_template)
-            except KeyError:
-                raise SystemExit(f"--conv-template {conv_template!r} is not a FastChat 0.2.36 template "
-                                 "(e.g. vicuna_v1.1, llama-2, qwen-7b-chat)") from None
-        elif not getattr(tokenizer, "chat_template", None):
-            raise SystemExit("the tokenizer has no chat template: pass --conv-template NAME (a FastChat template, "
-                             "e.g. vicuna_v1.1)")
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return list(self.conv.stop_token_ids or []) if self.conv is not None else []
-
-    def encode(self, messages: list[dict]) -> torch.Tensor:
-        """(1, P) prompt ids for `messages` ([{role: user|assistant, content}]), ready for the assistant's reply."""
-        if self.system is not None:
-            messages = [{"role": "system", "content": self.system}] + messages
-        if self.conv is None:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                      return_dict=True)["input_ids"]
-        conv = self.conv.copy()
-        for m in messages:
-            if m["role"] == "system":
-                conv.set_system_message(m["content"])
-            else:
-                conv.append_message(conv.roles[0 if m["role"] == "user" else 1], m["content"])
-        conv.append_message(conv.roles[1], None)
-        # A FastChat prompt is plain text: the tokenizer adds its own BOS, as FastChat's gen_model_answer does.
-        return self.tokenizer(conv.get_prompt(), return_tensors="pt")["input_ids"]
-
-    def decode(self, new_ids) -> str:
-        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
-        stops = self.conv.stop_str if self.conv is not None else None
-        for stop in ([stops] if isinstance(stops, str) else stops or []):
-            if stop and stop in text:
-                text = text[: text.index(stop)]
-        return text.strip()
+    settings: Settings
+    model_id: str
+    answer_file: Path
+    question_file: str | None = None
+    question_begin: int | None = None
+    question_end: int | None = None
+    limit: int | None = None  # the first N selected questions
+    resume: bool = False
+    warmup: bool = True
 
 
 # ---------------------------------------------------------------- generation
-def generation_kwargs(args) -> dict:
-    kwargs = dict(max_new_tokens=args.max_new_token, temperature=args.temperature, top_p=args.top_p,
-                  return_dict=True)
-    if not args.baseline:
-        kwargs.update(fsd_threshold=args.fsd_threshold, fsd_divergence=args.fsd_divergence, fsd_mode=args.fsd_mode)
-    return kwargs
-
-
-def eos_ids(model, fmt: PromptFormat) -> list[int] | None:
-    """The model's eos ids plus the conversation template's stop ids (None: the model's own, unchanged)."""
-    extra = fmt.stop_token_ids
-    if not extra:
-        return None
-    eos = model.base_model.generation_config.eos_token_id
-    eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(set(eos) | set(extra))
-
-
-def generate(model, ids: torch.Tensor, args, fmt: PromptFormat, streamer=None):
-    """One reply: GenerateOutput from generate (speculative) or naive_generate (--baseline)."""
-    fn = model.naive_generate if args.baseline else model.generate
-    ids = ids.to(model.base_model.device)
-    return fn(ids, streamer=streamer, eos_token_id=eos_ids(model, fmt), **generation_kwargs(args))
-
-
 def turn_stats(out) -> dict:
     return dict(new_tokens=out.new_tokens, verify_steps=out.verify_steps, wall_time=round(out.wall_time, 4),
                 accept_lengths=list(out.accept_lengths), fuzzy_accepts=list(out.fuzzy_accepts))
 
 
-def answer_question(model, question: dict, args, fmt: PromptFormat) -> dict:
+def answer_question(model, question: dict, settings: Settings, fmt: PromptFormat, model_id: str) -> dict:
     """Every turn of one question, the model's earlier replies fed back as history (as FastChat and EAGLE do)."""
     torch.manual_seed(0)  # one seed per question: sampled answers do not depend on which questions ran before
     messages, turns, stats = [], [], []
     for text in question["turns"]:
         messages.append({"role": "user", "content": text})
         ids = fmt.encode(messages)
-        out = generate(model, ids, args, fmt)
+        out = generate_reply(model, ids, settings.generation, settings.fsd, fmt)
         reply = fmt.decode(out.sequences[0, ids.shape[1]:])
         messages.append({"role": "assistant", "content": reply})
         turns.append(reply)
@@ -225,20 +69,19 @@ def answer_question(model, question: dict, args, fmt: PromptFormat) -> dict:
     for key in stats[0]:  # per-turn lists beside `turns`, like EAGLE's new_tokens / wall_time
         choice[key] = [s[key] for s in stats]
     choice["idxs"] = [s["verify_steps"] - 1 for s in stats]  # EAGLE's 0-based round counter, for its speed.py
-    return {"question_id": question["question_id"], "answer_id": uuid.uuid4().hex[:22], "model_id": args.model_id,
-            "choices": [choice], "tstamp": time.time(), "eagle_fsd": run_settings(args)}
+    return {"question_id": question["question_id"], "answer_id": uuid.uuid4().hex[:22], "model_id": model_id,
+            "choices": [choice], "tstamp": time.time(), "eagle_fsd": run_settings(settings)}
 
 
-def run_settings(args) -> dict:
+def run_settings(settings: Settings) -> dict:
     """What produced an answer (stored on every line; --resume refuses to mix different settings in one file)."""
-    settings = {"version": RECORD_VERSION, "method": "baseline" if args.baseline else "eagle-fsd",
-                "model": args.model, "temperature": args.temperature, "top_p": args.top_p,
-                "max_new_token": args.max_new_token}
-    if not args.baseline:
-        settings.update(drafter=args.ea_model_path or args.drafter or drafter_label(args.model),
-                        tree=[args.total_token, args.depth, args.top_k], fsd_threshold=args.fsd_threshold,
-                        fsd_divergence=args.fsd_divergence, fsd_mode=args.fsd_mode)
-    return settings
+    m, gen, fsd = settings.model, settings.generation, settings.fsd
+    record = {"version": RECORD_VERSION, "method": "baseline" if gen.baseline else "eagle-fsd", "model": m.model,
+              "temperature": gen.temperature, "top_p": gen.top_p, "max_new_token": gen.max_new_tokens}
+    if not gen.baseline:
+        record.update(drafter=m.ea_model_path or m.drafter or drafter_label(m.model), tree=settings.tree.as_list(),
+                      fsd_threshold=fsd.threshold, fsd_divergence=fsd.divergence, fsd_mode=fsd.mode)
+    return record
 
 
 # ---------------------------------------------------------------- answer file
@@ -287,16 +130,17 @@ def check_resume(path: Path, records: list[dict], settings: dict) -> None:
                              "flags or another --answer-file")
 
 
-def default_model_id(args) -> str:
-    name = Path(args.model.rstrip("/")).name
-    if args.baseline:
-        return f"{name}-baseline-temperature-{args.temperature:g}"
-    fsd = "" if args.fsd_threshold is None else f"-fsd-{args.fsd_divergence}-{args.fsd_threshold:g}"
-    return f"{name}-eagle-fsd{fsd}-temperature-{args.temperature:g}"
+def default_model_id(settings: Settings) -> str:
+    name = Path(settings.model.model.rstrip("/")).name
+    temperature, fsd = settings.generation.temperature, settings.fsd
+    if settings.generation.baseline:
+        return f"{name}-baseline-temperature-{temperature:g}"
+    method = "" if fsd.threshold is None else f"-fsd-{fsd.divergence}-{fsd.threshold:g}"
+    return f"{name}-eagle-fsd{method}-temperature-{temperature:g}"
 
 
 # ---------------------------------------------------------------- main
-def parse_args(argv):
+def parse_args(argv) -> AnswerJob:
     p = argparse.ArgumentParser(prog="eagle-fsd mtbench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
@@ -312,62 +156,62 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true", help="skip questions already in the answer file")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up generation")
     args = p.parse_args(argv)
-    finish_model_args(p, args)
+    settings = parse_settings(p, args)
     if args.limit is not None and args.limit <= 0:
         p.error(f"--limit {args.limit}: must be a positive number of questions")
-    args.model_id = args.model_id or default_model_id(args)
-    args.answer_file = Path(args.answer_file or f"data/mt_bench/model_answer/{args.model_id}.jsonl")
-    return args
+    model_id = args.model_id or default_model_id(settings)
+    answer_file = Path(args.answer_file or f"data/mt_bench/model_answer/{model_id}.jsonl")
+    return AnswerJob(settings, model_id, answer_file, args.question_file, args.question_begin, args.question_end,
+                     args.limit, args.resume, args.warmup)
 
 
-def selected_questions(args) -> list[dict]:
+def selected_questions(job: AnswerJob) -> list[dict]:
     """The questions this run covers: --question-begin/--question-end, then the first --limit of those. The same
     with or without --resume, so a resumed run ends where an uninterrupted one would."""
-    questions = load_questions(args.question_file, args.question_begin, args.question_end)
-    return questions[: args.limit] if args.limit is not None else questions
+    questions = load_questions(job.question_file, job.question_begin, job.question_end)
+    return questions[: job.limit] if job.limit is not None else questions
 
 
-def pending_questions(args) -> tuple[list[dict], list[dict]]:
+def pending_questions(job: AnswerJob) -> tuple[list[dict], list[dict]]:
     """(selected questions not answered yet, answers already in the file)."""
-    questions = selected_questions(args)
-    done = read_answers(args.answer_file, repair=args.resume)
-    if done and not args.resume:
-        raise SystemExit(f"{args.answer_file} already holds {len(done)} answers: pass --resume to continue it, "
+    questions = selected_questions(job)
+    done = read_answers(job.answer_file, repair=job.resume)
+    if done and not job.resume:
+        raise SystemExit(f"{job.answer_file} already holds {len(done)} answers: pass --resume to continue it, "
                          "or choose another --answer-file")
-    check_resume(args.answer_file, done, run_settings(args))
+    check_resume(job.answer_file, done, run_settings(job.settings))
     done_ids = {r["question_id"] for r in done}
     return [q for q in questions if q["question_id"] not in done_ids], done
 
 
-def warm_up(model, args, fmt: PromptFormat) -> None:
+def warm_up(model, generation: GenerationSettings, fsd: FsdConfig, fmt: PromptFormat) -> None:
     """One short untimed generation: the first call pays for lazy initialisation, which is not decoding speed."""
     ids = fmt.encode([{"role": "user", "content": "Hello!"}])
-    short = argparse.Namespace(**{**vars(args), "max_new_token": 8})
-    generate(model, ids, short, fmt)
+    generate_reply(model, ids, replace(generation, max_new_tokens=8), fsd, fmt)
 
 
 def main(argv=None) -> int:
     from tqdm import tqdm
 
-    args = parse_args(argv)
-    todo, done = pending_questions(args)
+    job = parse_args(argv)
+    todo, done = pending_questions(job)
     if done:
-        print(f"resuming {args.answer_file}: {len(done)} answered, {len(todo)} to go")
+        print(f"resuming {job.answer_file}: {len(done)} answered, {len(todo)} to go")
     if not todo:
         print("nothing to do: every selected question is answered")
         return 0
-    model = load_model(args)
-    fmt = PromptFormat(model.tokenizer, args.conv_template)
-    args.answer_file.parent.mkdir(parents=True, exist_ok=True)
-    if args.warmup:
-        warm_up(model, args, fmt)
+    model = load_model(job.settings)
+    fmt = PromptFormat(model.tokenizer, job.settings.model.conv_template)
+    job.answer_file.parent.mkdir(parents=True, exist_ok=True)
+    if job.warmup:
+        warm_up(model, job.settings.generation, job.settings.fsd, fmt)
     tokens = seconds = steps = accepted = 0
-    bar = tqdm(todo, unit="q", desc=args.model_id, dynamic_ncols=True)
+    bar = tqdm(todo, unit="q", desc=job.model_id, dynamic_ncols=True)
     written = 0
     try:
         for question in bar:
-            record = answer_question(model, question, args, fmt)
-            append_record(args.answer_file, record)
+            record = answer_question(model, question, job.settings, fmt, job.model_id)
+            append_record(job.answer_file, record)
             written += 1
             choice = record["choices"][0]
             tokens += sum(choice["new_tokens"])
@@ -377,10 +221,10 @@ def main(argv=None) -> int:
             bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.2f}", tau=f"{(accepted + steps) / max(steps, 1):.2f}")
     except KeyboardInterrupt:
         bar.close()
-        print(f"\ninterrupted: {written} new answers are in {args.answer_file}; add --resume to continue")
+        print(f"\ninterrupted: {written} new answers are in {job.answer_file}; add --resume to continue")
         return 130
     bar.close()
-    print(f"{written} answers appended to {args.answer_file}; report: eagle-fsd speed {args.answer_file}")
+    print(f"{written} answers appended to {job.answer_file}; report: eagle-fsd speed {job.answer_file}")
     return 0
 
 

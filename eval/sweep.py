@@ -15,13 +15,17 @@ import argparse
 import csv
 import json
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from eagle_fsd.eval import gsm8k, humaneval
-from eagle_fsd.eval.mtbench import (PromptFormat, add_fsd_args, add_model_args, append_record, finish_model_args,
-                                    generate, load_model, read_answers, warm_up)
+from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
+from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.prompts import PromptFormat, generate_reply
+from eagle_fsd.settings import (GenerationSettings, Settings, add_fsd_args, add_model_args, load_model,
+                                parse_settings)
 
 BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k}
 PLAIN, LOSSLESS = "plain", "lossless"
@@ -45,20 +49,36 @@ def methods(thresholds: list[float]) -> list[tuple[str, float | None]]:
     return [(PLAIN, None), (LOSSLESS, None)] + [(f"T={t:g}", t) for t in thresholds]
 
 
-def method_args(args, label: str, threshold: float | None) -> argparse.Namespace:
-    return argparse.Namespace(**{**vars(args), "baseline": label == PLAIN, "fsd_threshold": threshold})
+def method_settings(settings: Settings, label: str, threshold: float | None) -> tuple[GenerationSettings, FsdConfig]:
+    """The sweep's settings for one method: plain decoding for PLAIN, else speculative with FSD threshold T."""
+    return (replace(settings.generation, baseline=label == PLAIN), replace(settings.fsd, threshold=threshold))
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """One `eagle-fsd sweep` run: the shared settings (their FSD threshold unused: each method sets its own), the
+    benchmarks, the thresholds and where the results go."""
+
+    settings: Settings
+    benches: list[str]
+    thresholds: list[float]
+    out_dir: Path
+    limit: int | None = None  # the first N problems of each benchmark
+    resume: bool = False
+    exec_timeout: float = humaneval.DEFAULT_TIMEOUT
+    warmup: bool = True
 
 
 # ---------------------------------------------------------------- one problem
-def solve(model, fmt: PromptFormat, bench: str, problem: dict, args, label: str, threshold) -> dict:
+def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, label: str, threshold) -> dict:
     """Generate, score and return one record (its reply included, so a score can be audited)."""
     module = BENCHES[bench]
     torch.manual_seed(0)
     ids = fmt.encode([{"role": "user", "content": module.user_message(problem)}])
-    out = generate(model, ids, method_args(args, label, threshold), fmt)
+    out = generate_reply(model, ids, *method_settings(job.settings, label, threshold), fmt)
     reply = fmt.decode(out.sequences[0, ids.shape[1]:])
     if bench == "humaneval":
-        result = humaneval.score(problem, reply, args.exec_timeout)
+        result = humaneval.score(problem, reply, job.exec_timeout)
         correct, detail = result.passed, result.detail or result.status
     else:
         answer = gsm8k.extract_answer(reply)
@@ -166,20 +186,22 @@ def print_rows(rows: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------- main
-def settings_of(args) -> dict:
+def settings_of(settings: Settings) -> dict:
     """What must not change within one out-dir (thresholds, benches and --limit may: records are per T/problem)."""
-    keys = ("model", "drafter", "ea_model_path", "dtype", "total_token", "depth", "top_k", "max_new_token",
-            "temperature", "top_p", "conv_template", "fsd_divergence", "fsd_mode")
-    return {k: getattr(args, k) for k in keys}
+    m, tree, gen, fsd = settings.model, settings.tree, settings.generation, settings.fsd
+    return {"model": m.model, "drafter": m.drafter, "ea_model_path": m.ea_model_path, "dtype": m.dtype,
+            "total_token": tree.total_token, "depth": tree.depth, "top_k": tree.top_k,
+            "max_new_token": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p,
+            "conv_template": m.conv_template, "fsd_divergence": fsd.divergence, "fsd_mode": fsd.mode}
 
 
-def prepare_out_dir(args) -> list[dict]:
+def prepare_out_dir(job: SweepJob) -> list[dict]:
     """The records already there (with --resume) after checking they were made with the same settings."""
-    out, settings = args.out_dir, settings_of(args)
+    out, settings = job.out_dir, settings_of(job.settings)
     out.mkdir(parents=True, exist_ok=True)
     records_path, settings_path = out / "records.jsonl", out / "settings.json"
-    records = read_answers(records_path, repair=args.resume)
-    if records and not args.resume:
+    records = read_answers(records_path, repair=job.resume)
+    if records and not job.resume:
         raise SystemExit(f"{records_path} already holds {len(records)} results: pass --resume to continue it, or "
                          "choose another --out-dir")
     if settings_path.exists() and records:
@@ -192,7 +214,7 @@ def prepare_out_dir(args) -> list[dict]:
     return records
 
 
-def parse_args(argv):
+def parse_args(argv) -> SweepJob:
     p = argparse.ArgumentParser(prog="eagle-fsd sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, max_new_default=512, baseline_flag=False)  # plain decoding is always one of the rows
@@ -206,49 +228,54 @@ def parse_args(argv):
                    help="seconds a HumanEval program may run")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     args = p.parse_args(argv)
-    finish_model_args(p, args)
+    settings = parse_settings(p, args)
     if args.limit is not None and args.limit <= 0:
         p.error(f"--limit {args.limit}: must be a positive number of problems")
-    args.threshold_list = parse_thresholds(args.thresholds)
-    return args
+    return SweepJob(settings, args.bench, parse_thresholds(args.thresholds), args.out_dir, args.limit, args.resume,
+                    args.exec_timeout, args.warmup)
+
+
+def run_todo(job: SweepJob, todo: list, records: list[dict]) -> None:
+    """Generate and score every (bench, problem, method) left, appending each record as soon as it is scored."""
+    from tqdm import tqdm
+
+    model = load_model(job.settings)
+    fmt = PromptFormat(model.tokenizer, job.settings.model.conv_template)
+    if job.warmup:
+        warm_up(model, job.settings.generation, job.settings.fsd, fmt)
+    bar = tqdm(todo, unit="run", dynamic_ncols=True)
+    try:
+        for bench, problem, label, threshold in bar:
+            bar.set_description(f"{bench} {label}")
+            record = solve(model, fmt, bench, problem, job, label, threshold)
+            append_record(job.out_dir / "records.jsonl", record)
+            records.append(record)
+    except KeyboardInterrupt:  # the results so far still make a summary and a plot
+        print(f"\ninterrupted: the finished runs are in {job.out_dir / 'records.jsonl'}; add --resume to continue")
+    finally:
+        bar.close()
 
 
 def main(argv=None) -> int:
-    from tqdm import tqdm
-
-    args = parse_args(argv)
-    labels = methods(args.threshold_list)
-    problems = {bench: BENCHES[bench].load_problems(args.limit) for bench in args.bench}
-    records = prepare_out_dir(args)
+    job = parse_args(argv)
+    labels = methods(job.thresholds)
+    problems = {bench: BENCHES[bench].load_problems(job.limit) for bench in job.benches}
+    records = prepare_out_dir(job)
     done = {(r["bench"], r["method"], r["task_id"]) for r in records}
     todo = [(bench, p, label, t) for bench, ps in problems.items() for p in ps for label, t in labels
             if (bench, label, p["task_id"]) not in done]
     if done:
-        print(f"resuming {args.out_dir}: {len(done)} results there, {len(todo)} to go")
+        print(f"resuming {job.out_dir}: {len(done)} results there, {len(todo)} to go")
     if todo:
-        model = load_model(args)
-        fmt = PromptFormat(model.tokenizer, args.conv_template)
-        if args.warmup:
-            warm_up(model, args, fmt)
-        bar = tqdm(todo, unit="run", dynamic_ncols=True)
-        try:
-            for bench, problem, label, threshold in bar:
-                bar.set_description(f"{bench} {label}")
-                record = solve(model, fmt, bench, problem, args, label, threshold)
-                append_record(args.out_dir / "records.jsonl", record)
-                records.append(record)
-        except KeyboardInterrupt:  # the results so far still make a summary and a plot
-            print(f"\ninterrupted: the finished runs are in {args.out_dir / 'records.jsonl'}; add --resume to continue")
-        finally:
-            bar.close()
+        run_todo(job, todo, records)
     selection = {bench: [p["task_id"] for p in ps] for bench, ps in problems.items()}
     rows = summarize(records, selection, labels)
-    settings = settings_of(args)
-    write_summary(args.out_dir, rows, settings)
-    png = plot(args.out_dir, rows, f"{args.model} ({args.fsd_divergence}, {args.fsd_mode}), "
-                                   f"temperature {args.temperature:g}")
+    settings = job.settings
+    write_summary(job.out_dir, rows, settings_of(settings))
+    png = plot(job.out_dir, rows, f"{settings.model.model} ({settings.fsd.divergence}, {settings.fsd.mode}), "
+                                  f"temperature {settings.generation.temperature:g}")
     print_rows(rows)
-    print(f"wrote {args.out_dir / 'summary.csv'}, {args.out_dir / 'summary.json'} and {png}")
+    print(f"wrote {job.out_dir / 'summary.csv'}, {job.out_dir / 'summary.json'} and {png}")
     return 0
 
 

@@ -9,8 +9,8 @@ import torch
 
 from eagle_fsd import chat, presets
 from eagle_fsd.drafters import LMDrafter
-from eagle_fsd.eval.mtbench import PromptFormat
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.prompts import PromptFormat
 from tiny import tiny_model
 
 torch.set_num_threads(1)
@@ -30,8 +30,9 @@ def model():
 
 
 def session(model, *argv, out=None):
-    args = chat.parse_args(["--max-new-tokens", "8", *argv])
-    return chat.ChatSession(model, PromptFormat(model.tokenizer), args, out=out or io.StringIO())
+    options = chat.parse_args(["--max-new-tokens", "8", *argv])
+    return chat.ChatSession(model, PromptFormat(model.tokenizer), options.settings, out=out or io.StringIO(),
+                            colour=options.color)
 
 
 def test_chat_through_stdin_with_commands(model):

@@ -3,8 +3,7 @@ import time
 
 import pytest
 
-from eagle_fsd import cli, presets
-from eagle_fsd.eval import mtbench
+from eagle_fsd import cli, presets, settings
 from eagle_fsd.model import EaFsdModel
 
 UNKNOWN = "no-such-org/no-such-model"
@@ -25,7 +24,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded although the arguments are invalid")
 
-    monkeypatch.setattr(mtbench, "load_model", refuse)
+    monkeypatch.setattr(settings, "load_model", refuse)
     monkeypatch.setattr(EaFsdModel, "from_pretrained", refuse)
 
 
@@ -94,3 +93,13 @@ def test_cli_run_rejects_a_non_positive_tree_setting(no_model_loading, capsys, f
     assert exit_.value.code == 2  # argparse's usage error
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and repr(value) in err and "positive int or 'auto'" in err
+
+
+def test_flags_become_typed_settings():
+    s, _ = cli.parse_run_args(["--model", "m", "--drafter", "d", "--total-token", "12", "--depth", "auto",
+                               "--max-new-tokens", "7", "--temperature", "0.5", "--fsd-threshold", "0.3",
+                               "--fsd-divergence", "tv", "--fsd-mode", "original"])
+    assert s.model == settings.ModelSettings("m", "d", None, "auto", "auto", None, None)
+    assert s.tree == settings.TreeSettings(12, "auto", "auto")
+    assert s.generation == settings.GenerationSettings(7, 0.5, 1.0, 0, baseline=False)
+    assert (s.fsd.threshold, s.fsd.divergence, s.fsd.mode) == (0.3, "tv", "original")

@@ -275,6 +275,15 @@ def test_sweep_threshold_list_errors():
         sweep.parse_thresholds("0.1,-1")
 
 
+def test_sweep_method_settings_change_only_the_method():
+    job = sweep.parse_args(["--model", "m", "--fsd-divergence", "tv", "--temperature", "0.7"])
+    plain_gen, plain_fsd = sweep.method_settings(job.settings, sweep.PLAIN, None)
+    fuzzy_gen, fuzzy_fsd = sweep.method_settings(job.settings, "T=2", 2.0)
+    assert plain_gen.baseline and not fuzzy_gen.baseline and plain_fsd.threshold is None
+    assert (fuzzy_fsd.threshold, fuzzy_fsd.divergence, fuzzy_gen.temperature) == (2.0, "tv", 0.7)
+    assert job.settings.generation.baseline is False and job.settings.fsd.threshold is None  # unchanged
+
+
 # ---------------------------------------------------------------- HumanEval execution (subprocess, never in-process)
 @pytest.fixture(scope="module")
 def problem0():

@@ -1,0 +1,214 @@
+"""Typed settings of a run, and the one set of CLI flags they come from.
+
+Every command that loads a model (run, chat, mtbench, bench, sweep) defines its model / tree / sampling / FSD flags
+with add_model_args and add_fsd_args (one definition, one set of defaults: EAGLE's flag names where it has one) and
+turns the parsed flags into these dataclasses with `from_args`, the only code that reads an argparse Namespace.
+Library code (load_model, prompts.generate_reply, the harness functions, ChatSession) takes the dataclasses.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.tree.accept import FSD_MODES
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "auto")
+ATTENTION_NAMES = ("auto", "sdpa", "triton")
+AUTO = "auto"  # a tree setting the measured cost model chooses (eagle_fsd.tune)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What to load. drafter: an LM sharing the tokenizer or an EAGLE head directory (None: the preset's own);
+    ea_model_path: an EAGLE-1/2 head; conv_template: a FastChat template for models without a chat template;
+    threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default)."""
+
+    model: str = DEFAULT_MODEL
+    drafter: str | None = None
+    ea_model_path: str | None = None
+    dtype: str = "auto"
+    attention: str = "auto"
+    conv_template: str | None = None
+    threads: int | None = None
+    device: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSettings:
+        return cls(args.model, args.drafter, args.ea_model_path, args.dtype, args.attention, args.conv_template,
+                   args.threads)
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The draft tree: total_token nodes incl. the root, depth draft forwards, top_k branching (EAGLE's names);
+    each a positive int or "auto"."""
+
+    total_token: int | str = AUTO
+    depth: int | str = AUTO
+    top_k: int | str = AUTO
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TreeSettings:
+        return cls(args.total_token, args.depth, args.top_k)
+
+    def as_list(self) -> list:
+        return [self.total_token, self.depth, self.top_k]
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling (temperature 0 = greedy; top_k 0 = off) and the method: baseline = plain decoding, the target
+    alone, one token per forward."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    baseline: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GenerationSettings:
+        return cls(args.max_new_token, args.temperature, args.top_p, baseline=args.baseline)
+
+    def sampling_kwargs(self) -> dict:
+        """The keywords EaFsdModel.generate and naive_generate share."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k)
+
+
+def fsd_from_args(args: argparse.Namespace) -> FsdConfig:
+    """FsdConfig from the FSD flags; ValueError names a bad value."""
+    return FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a model-loading command shares."""
+
+    model: ModelSettings = ModelSettings()
+    tree: TreeSettings = TreeSettings()
+    generation: GenerationSettings = GenerationSettings()
+    fsd: FsdConfig = FsdConfig()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Settings:
+        return cls(ModelSettings.from_args(args), TreeSettings.from_args(args), GenerationSettings.from_args(args),
+                   fsd_from_args(args))
+
+
+# ---------------------------------------------------------------- flags
+def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = ("--max-new-token", "--max-new-tokens"),
+                   max_new_default: int = 1024, baseline_flag: bool = True) -> None:
+    """The model / drafter / tree / sampling flags (EAGLE's names where it has one). A command without
+    --baseline gets False; --threads (add_threads_arg) is offered where timing needs it, else None."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="preset name, hub id or directory")
+    p.add_argument("--drafter", default=None,
+                   help="LM drafter sharing the tokenizer (preset, dir or hub id) or an EAGLE head directory; "
+                        "default: the preset's drafter")
+    p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                   help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
+    p.add_argument("--attention", choices=list(ATTENTION_NAMES), default="auto")
+    p.add_argument("--total-token", type=tree_arg, default=AUTO,
+                   help="tree nodes incl. root, or auto (default): chosen by the measured cost model (eagle-fsd tune)")
+    p.add_argument("--depth", type=tree_arg, default=AUTO, help="draft forwards per step, or auto")
+    p.add_argument("--top-k", type=tree_arg, default=AUTO,
+                   help="draft tree branching (EAGLE's --top-k), not sampling; or auto")
+    p.add_argument(*max_new_flag, dest="max_new_token", type=int, default=max_new_default)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--conv-template", default=None,
+                   help="FastChat conversation template (e.g. vicuna_v1.1) for models without a chat template")
+    if baseline_flag:
+        p.add_argument("--baseline", action="store_true", help="plain decoding with the target alone (naive_generate)")
+    else:
+        p.set_defaults(baseline=False)
+    p.set_defaults(threads=None)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True, divergence_flag: bool = True) -> None:
+    """The FSD flags; a command without --fsd-threshold (or --fsd-divergence) gets the default (None: lossless)."""
+    from eagle_fsd.divergence import DIVERGENCES
+
+    if threshold_flag:
+        p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
+    else:
+        p.set_defaults(fsd_threshold=None)
+    if divergence_flag:
+        p.add_argument("--fsd-divergence", default="kl_qp", help=f"one of {', '.join(DIVERGENCES)}")
+    else:
+        p.set_defaults(fsd_divergence="kl_qp")
+    p.add_argument("--fsd-mode", default="reducible", choices=list(FSD_MODES))
+
+
+def tree_arg(text: str):
+    """A tree setting: a positive int (EAGLE's meaning) or "auto" (the cost model's choice)."""
+    if text == AUTO:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int or 'auto' (EAGLE's GPU defaults: "
+                                         "total_token 60, depth 5, top_k 10)")
+    return value
+
+
+def parse_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags; a bad value (e.g. an FSD threshold < 0) is a usage error at once, not after
+    minutes of loading."""
+    try:
+        return Settings.from_args(args)
+    except ValueError as err:
+        p.error(str(err))
+
+
+# ---------------------------------------------------------------- loading
+def torch_dtype(name: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "auto": "auto"}[name]
+
+
+def is_eagle_head(path: str) -> bool:
+    """A local directory whose weights hold EAGLE's `fc` layer (the feature/embedding fusion no causal LM has)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return False
+    if (folder / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return "fc.weight" in f.keys()
+    if (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
+        return "fc.weight" in state
+    return False
+
+
+def load_model(settings: Settings):
+    """EaFsdModel for `settings`; a drafter directory holding an EAGLE head is loaded as one. Speculative decoding
+    (not the baseline) needs a drafter: none is a usage error."""
+    from eagle_fsd.model import EaFsdModel
+
+    m, tree = settings.model, settings.tree
+    if m.threads:
+        torch.set_num_threads(m.threads)
+    head, lm = m.ea_model_path, m.drafter
+    if lm is not None and head is None and is_eagle_head(lm):
+        head, lm = lm, None
+    model = EaFsdModel.from_pretrained(m.model, ea_model_path=head, draft_model=lm, total_token=tree.total_token,
+                                       depth=tree.depth, top_k=tree.top_k, dtype=torch_dtype(m.dtype),
+                                       device_map=m.device, attention=m.attention)
+    if model.drafter is None and not settings.generation.baseline:
+        raise SystemExit(f"{m.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
+                         "--ea-model-path HEAD, or --baseline for plain decoding")
+    return model
