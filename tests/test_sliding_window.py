@@ -137,11 +137,11 @@ def test_self_drafting_accepts_the_whole_greedy_chain(kind, window, shape, monke
     cache slot is not their position, and the cache compaction of accepted paths that are not 0..a (top_k = 2).
     With all of it right the target's greedy continuation is the drafter's, so every step accepts the drafter's
     whole greedy chain in its tree."""
-    import eagle_fsd.model
+    import eagle_fsd.fsd
 
     steps = []
-    walk = eagle_fsd.model.accept
-    monkeypatch.setattr(eagle_fsd.model, "accept", lambda tree, *a, **k: steps.append(
+    walk = eagle_fsd.fsd.accept
+    monkeypatch.setattr(eagle_fsd.fsd, "accept", lambda tree, *a, **k: steps.append(
         (greedy_chain_depth(tree), walk(tree, *a, **k))) or steps[-1][1])
     target = sliding_model(kind, window)
     model = EaFsdModel(target, None, LMDrafter(target, VOCAB), *shape)
