@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from transformers import TextStreamer
 
-from eagle_fsd.divergence import DIVERGENCES
+from eagle_fsd.fsd import DIVERGENCES
 from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, load_model, parse_settings
 

@@ -10,7 +10,7 @@ import torch
 COMMANDS = {  # name -> (module with a main(argv) -> int, one-line help)
     "run": ("eagle_fsd.cli", "generate with speculative decoding, then plain decoding; print speed, tau, speedup"),
     "models": ("eagle_fsd.presets:main_models", "list / fetch the offline model presets"),
-    "tune": ("eagle_fsd.tune", "measure the speculation cost model on this machine; print the best tree shapes"),
+    "tune": ("eagle_fsd.tune.cli", "measure the speculation cost model on this machine; print the best tree shapes"),
     "bench": ("eagle_fsd.eval.bench", "speed benchmark: plain vs HF assisted vs eagle-fsd (and FSD rows)"),
     "mtbench": ("eagle_fsd.eval.mtbench", "answer MT-Bench questions (FastChat answer jsonl)"),
     "speed": ("eagle_fsd.eval.speed", "speed report of an answer jsonl (tokens/s, speedup, tau, acceptance)"),

@@ -219,9 +219,9 @@ class EagleDrafter:
 
 class LMDrafter:
     """Drafts with a small causal LM that shares the target's tokenizer (training-free). attention: its attention
-    backend (eagle_fsd.attention); None: "auto" (TEMPORARY until merge: the model config's old attribute)."""
+    backend (eagle_fsd.attention)."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, attention: str | None = None):
+    def __init__(self, model: nn.Module, vocab_size: int, attention: str = "auto"):
         check_attention_support(model.config)
         self.model = model
         self.attention = attention

@@ -41,7 +41,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from eagle_fsd.attention import check_attention_support
+from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import _read_head_files
 from eagle_fsd.hf import cache_kwargs, causal_mask, prefix_tree_mask
@@ -68,12 +68,14 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, embeds, hidden, position_embeddings, position_ids, attention_mask, cache=None):
+    def forward(self, embeds, hidden, position_embeddings, position_ids, attention_mask, cache=None,
+                backend: str = "auto"):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         attn_out, _ = self.self_attn(attn_in, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                     position_ids=position_ids, **cache_kwargs(self.self_attn, cache))
+                                     position_ids=position_ids, eagle_fsd_forward=ForwardState(backend),
+                                     **cache_kwargs(self.self_attn, cache))
         hidden = residual + attn_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -115,9 +117,10 @@ class Eagle3Head(nn.Module):
         """(draft_vocab,) long: the target id of each draft id, draft id + d2t[draft id]."""
         return torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
-    def forward(self, token_embeds, hidden, position_ids, attention_mask, cache=None):
+    def forward(self, token_embeds, hidden, position_ids, attention_mask, cache=None, backend: str = "auto"):
         """token_embeds (B, T, H); hidden (B, T, k * target_hidden) target features, or (B, T, H) the draft's own
-        state at later tree levels -> (new hidden (B, T, H) pre-norm, draft logits (B, T, draft_vocab))."""
+        state at later tree levels -> (new hidden (B, T, H) pre-norm, draft logits (B, T, draft_vocab)); attention
+        by `backend` (eagle_fsd.attention)."""
         hidden = hidden.to(self.fc.weight.dtype)
         if hidden.shape[-1] == self.fc.in_features:
             hidden = self.fc(hidden)
@@ -126,7 +129,7 @@ class Eagle3Head(nn.Module):
                              f"{self.config.hidden_size} (its own state); got {hidden.shape[-1]}")
         position_embeddings = self.rotary_emb(hidden, position_ids)
         hidden = self.midlayer(token_embeds.to(hidden.dtype), hidden, position_embeddings, position_ids,
-                               attention_mask, cache)
+                               attention_mask, cache, backend)
         return hidden, self.lm_head(self.norm(hidden))
 
 
@@ -311,28 +314,46 @@ def aux_features(hidden_states, indices: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([hidden_states[i] for i in indices], dim=-1)
 
 
+class OwnVocabulary:
+    """An EAGLE-3 head's draft vocabulary is part of the head: the tuner's reduced vocabularies do not apply."""
+
+    def set_draft_vocab(self, ids) -> None:
+        if ids is not None:
+            raise ValueError("an EAGLE-3 head drafts over its own draft vocabulary (d2t); it cannot be reduced")
+
+
 class Eagle3Drafter:
     """Drafts with an EAGLE-3 head, following the drafter protocol of eagle_fsd.drafters: target_hidden is the
-    (T, k * H) concatenation of the target's hidden states at the head's aux indices; tree levels feed the draft's
-    own (H,) state. draft_vocab: the target ids of the head's draft vocabulary (None when it is the full one)."""
+    (T, k * H) concatenation of the target's hidden states at `feature_layers` (output_hidden_states indices, what
+    the engine captures for it); tree levels feed the draft's own (H,) state. draft_vocab: the target ids of the
+    head's draft vocabulary (None when it is the full one). attention: the head's backend (eagle_fsd.attention)."""
+    reducible_vocab = False  # the draft vocabulary is the head's own (d2t): the tuner does not cut it
 
-    def __init__(self, head: Eagle3Head, target: nn.Module):
+    def __init__(self, head: Eagle3Head, target: nn.Module, feature_layers: tuple[int, ...] | None = None,
+                 attention: str = "auto"):
         if head.fc.weight.dtype != target.dtype:
             raise ValueError(f"EAGLE-3 head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; cast the "
                              "head with head.cast(target.dtype)")
         check_attention_support(target.config)
-        self.head, self.target = head, target
+        layers = target.config.num_hidden_layers
+        self.feature_layers = tuple(feature_layers or default_aux_indices(layers))
+        if max(self.feature_layers) >= layers:
+            raise ValueError(f"EAGLE-3 feature layers {self.feature_layers}: index {layers} (the last layer's output "
+                             "before the final norm) is not supported; use inputs of layers 0..N-1")
+        self.head, self.target, self.attention = head, target, attention
         self.embed = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
         ids = head.draft_to_target_ids()
         full = ids.numel() == target.config.vocab_size and bool((ids == torch.arange(ids.numel())).all())
         self.draft_vocab = None if full else ids
+        self.draft_head = OwnVocabulary()
 
     def reset(self, max_len: int):
         self.cache = TreeCache(1, max_len)
         self.length = 0
 
     def _run(self, tokens, hidden, mask, positions):
-        new_hidden, logits = self.head(self.embed(tokens)[None], hidden[None], positions[None], mask, self.cache)
+        new_hidden, logits = self.head(self.embed(tokens)[None], hidden[None], positions[None], mask, self.cache,
+                                       self.attention)
         return new_hidden[0], logits[0]
 
     def prefill(self, prompt_ids, root, target_hidden):

@@ -40,12 +40,6 @@ def key_positions(cache, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.arange(past, device=positions.device), positions])
 
 
-def legacy_backend(model, backend: str | None) -> str:
-    """TEMPORARY (removed at merge, once model.py passes `attention` to every forward): the backend a caller did not
-    give, from the old `config.eagle_fsd_attention` attribute."""
-    return getattr(model.config, "eagle_fsd_attention", "auto") if backend is None else backend
-
-
 def forward_state(model, cache, positions: torch.Tensor, backend: str) -> ForwardState:
     """The state one forward's layers share: the backend, and for a model with sliding layers the positions of the
     forward's queries and keys (no layer slides without a window: attention.config_window)."""
@@ -54,18 +48,29 @@ def forward_state(model, cache, positions: torch.Tensor, backend: str) -> Forwar
     return ForwardState(backend, positions, key_positions(cache, positions))
 
 
-def decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor,
-                    backend: str | None = None):
+def decoder_outputs(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor,
+                    backend: str = "auto", feature_layers: tuple[int, ...] | None = None):
     """Run model's decoder (no lm_head) over input_ids (n,) appended to `cache`, at the given positions (n,) and
     with an explicit (1, 1, n, cache_len + n) bool mask, attention by `backend` ("auto", "sdpa" or "triton";
-    eagle_fsd.attention). Returns the final-norm hidden states (n, H): the features EAGLE heads read, and what the
-    lm_head turns into logits.
+    eagle_fsd.attention). Returns (final-norm hidden states (n, H): what the lm_head turns into logits and what
+    EAGLE-1/2 heads read, drafter features): the features are the final hidden states again, or with
+    `feature_layers` (EAGLE-3) cat(hidden state entering layer i for i in feature_layers), (n, len * H).
 
     Sliding-window layers see the mask cut to their window (eagle_fsd.attention). Models with an attention kind the
     engine does not implement are refused once, where the engine and the drafters are built
     (eagle_fsd.attention.check_attention_support), not at every forward."""
     decoder = model.get_decoder()
-    state = forward_state(model, cache, positions, legacy_backend(model, backend))
+    state = forward_state(model, cache, positions, backend)
     out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],
-                  eagle_fsd_forward=state, **cache_kwargs(decoder, cache))
-    return out.last_hidden_state[0]
+                  eagle_fsd_forward=state, output_hidden_states=feature_layers is not None,
+                  **cache_kwargs(decoder, cache))
+    last = out.last_hidden_state[0]
+    if feature_layers is None:
+        return last, last
+    return last, torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
+
+
+def decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor, positions: torch.Tensor,
+                    backend: str = "auto") -> torch.Tensor:
+    """The final-norm hidden states (n, H) of decoder_outputs."""
+    return decoder_outputs(model, input_ids, cache, attention_mask, positions, backend)[0]

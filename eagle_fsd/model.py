@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
 from eagle_fsd.attention import ATTENTION_NAME, check_attention_support, check_backend
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import EagleDrafter, LMDrafter, grow_tree, load_eagle_head
-from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.drafters import grow_tree
+from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
+from eagle_fsd.loading import load_drafter
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
 from eagle_fsd.guard import PhaseClock, SpeedGuard
 from eagle_fsd.sampling import choose_tokens, logits_processor
@@ -103,13 +104,15 @@ def eos_token_ids(model, eos_token_id=None) -> set[int]:
 class EaFsdModel(torch.nn.Module):
     """EAGLE-2 dynamic-tree speculative decoding over a Hugging Face causal LM (batch size 1).
 
-    base_model: the HF target model (public, as in EAGLE); tokenizer: its tokenizer; drafter: EagleDrafter or
-    LMDrafter (None: plain decoding only).
+    base_model: the HF target model (public, as in EAGLE); tokenizer: its tokenizer; drafter: EagleDrafter,
+    Eagle3Drafter or LMDrafter (None: plain decoding only; eagle_fsd.loading builds one).
     """
 
     def __init__(self, base_model, tokenizer=None, drafter=None, total_token: int = 60, depth: int = 5,
-                 top_k: int = 10):
+                 top_k: int = 10, attention: str = "auto"):
         super().__init__()
+        check_backend(attention)
+        self.attention = attention  # the target's attention backend (eagle_fsd.attention); drafters hold their own
         self.base_model = base_model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -151,21 +154,10 @@ class EaFsdModel(torch.nn.Module):
                 draft_model = presets.default_drafter(base_model)
         load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **kwargs)
         target = AutoModelForCausalLM.from_pretrained(path, **load).eval()
-        target.config.eagle_fsd_attention = attention
         tokenizer = AutoTokenizer.from_pretrained(path)
-        drafter = None
-        if ea_model_path is not None:
-            drafter = EagleDrafter(load_eagle_head(ea_model_path, target), target)
-        elif draft_model is not None:
-            if isinstance(draft_model, str):
-                draft_path = presets.resolve_model(draft_model)
-                check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_path), draft_model)
-                draft_model = AutoModelForCausalLM.from_pretrained(
-                    draft_path, dtype=target.dtype, attn_implementation=ATTENTION_NAME).to(target.device).eval()
-            draft_model.config.eagle_fsd_attention = attention
-            drafter = LMDrafter(draft_model, target.config.vocab_size)
+        drafter = load_drafter(target, tokenizer, ea_model_path, draft_model, attention, presets.resolve_model)
         fixed = [1 if v == "auto" else v for v in (total_token, depth, top_k)]
-        model = cls(target, tokenizer, drafter, *fixed)
+        model = cls(target, tokenizer, drafter, *fixed, attention=attention)
         if drafter is not None and auto:
             from eagle_fsd.tune import autotune
 
@@ -274,12 +266,13 @@ class EaFsdModel(torch.nn.Module):
 
         # Prefill: the target reads the prompt and chooses the first new token, which roots the first tree.
         n = prompt.numel()
-        hidden = decoder_forward(self.base_model, prompt, cache, causal_mask(0, n, prompt.device),
-                                 torch.arange(n, device=prompt.device))
+        layers = getattr(drafter, "feature_layers", None)  # EAGLE-3 reads the hidden states entering these layers
+        hidden, features = decoder_outputs(self.base_model, prompt, cache, causal_mask(0, n, prompt.device),
+                                           torch.arange(n, device=prompt.device), self.attention, layers)
         root = choose_tokens(self.base_model.get_output_embeddings()(hidden[-1:]), processor)[0]
         reader = None
         if drafter is not None:
-            reader = DrafterReader(drafter, cache.max_len + self.depth * self.top_k, prompt, root, hidden)
+            reader = DrafterReader(drafter, cache.max_len + self.depth * self.top_k, prompt, root, features)
 
         generated: list[int] = []
         out = GenerateOutput(sequences=input_ids)
@@ -291,13 +284,13 @@ class EaFsdModel(torch.nn.Module):
             speculate = drafter is not None and guard.speculate()
             tree = self._draft(reader, root) if speculate else chain_tree(root.reshape(1))
             clock.lap("draft")
-            step, hidden, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock)
+            step, features, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock, layers)
             out.record(step, plain=drafter is not None and not speculate)
             done = self._emit(generated, out.fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
             root = step.next_token
             clock.lap("other")
             if not done and reader is not None:
-                reader.read(torch.tensor(step.tokens, device=prompt.device), hidden[step.path], speculated=speculate)
+                reader.read(torch.tensor(step.tokens, device=prompt.device), features[step.path], speculate)
                 clock.lap("draft")
             if guard is not None:
                 guard.record(speculate, len(step.tokens), clock.last - step_start, verify_seconds, tree.size)
@@ -311,11 +304,12 @@ class EaFsdModel(torch.nn.Module):
         root_logits, root_state = reader.at_root()
         return grow_tree(reader.drafter, root, root_logits, root_state, self.total_token, self.depth, self.top_k)
 
-    def _verify_and_accept(self, tree, cache: TreeCache, processor, fsd: FsdConfig | None, clock: PhaseClock):
+    def _verify_and_accept(self, tree, cache: TreeCache, processor, fsd: FsdConfig | None, clock: PhaseClock,
+                           layers: tuple[int, ...] | None = None):
         """One target forward over the tree, acceptance, and the cache cut to the accepted path:
-        (step, the tree's hidden states, verify seconds)."""
+        (step, the tree's drafter features, verify seconds)."""
         committed = cache.get_seq_length()
-        logits, hidden = self._verify(tree, cache)
+        logits, features = self._verify(tree, cache, layers)
         verify_start = clock.last
         clock.lap("verify")
         verify_seconds = clock.last - verify_start
@@ -326,7 +320,7 @@ class EaFsdModel(torch.nn.Module):
         else:
             cache.keep(committed, step.path)
         clock.lap("cache")
-        return step, hidden, verify_seconds
+        return step, features, verify_seconds
 
     def _speed_guard(self) -> SpeedGuard:
         """The never-slower-than-plain guard: on with tuned settings (it needs the measured plain rate)."""
@@ -337,12 +331,14 @@ class EaFsdModel(torch.nn.Module):
             return SpeedGuard(t.plain_ms, t.verify_ms, backoff=128, start_plain=True)
         return SpeedGuard(t.plain_ms, t.verify_ms)
 
-    def _verify(self, tree, cache):
-        """All tree nodes in one target forward, node i at position committed + depth(i): (logits, hidden)."""
+    def _verify(self, tree, cache, layers: tuple[int, ...] | None = None):
+        """All tree nodes in one target forward, node i at position committed + depth(i): (logits, the drafter's
+        features: the final hidden states, or for EAGLE-3 those entering `layers`)."""
         committed = cache.get_seq_length()
-        hidden = decoder_forward(self.base_model, tree.tokens, cache, prefix_tree_mask(committed, tree.tree_mask),
-                                 committed + tree.depths)
-        return self.base_model.get_output_embeddings()(hidden), hidden
+        hidden, features = decoder_outputs(self.base_model, tree.tokens, cache,
+                                           prefix_tree_mask(committed, tree.tree_mask), committed + tree.depths,
+                                           self.attention, layers)
+        return self.base_model.get_output_embeddings()(hidden), features
 
     def _accept(self, tree, logits, processor, fsd: FsdConfig | None):
         return fsd_accept(tree, logits, choose_tokens(logits, processor), fsd, self.vocab_size, processor)
@@ -365,10 +361,3 @@ class EaFsdModel(torch.nn.Module):
                 streamer.put_fuzzy_mask(new_fuzzy[: len(kept)])
             streamer.put(torch.tensor(kept))
         return (bool(kept) and kept[-1] in eos) or len(generated) >= max_new_tokens
-
-
-def check_same_tokenizer(target_tok, draft_tok, draft_name):
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError(f"draft model {draft_name!r} does not share the target's tokenizer "
-                         f"({len(draft_tok)} vs {len(target_tok)} tokens, or different ids); an LM drafter must use "
-                         "the same tokenizer as the target")

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from eagle_fsd.fsd import FsdConfig
-from eagle_fsd.tree.accept import FSD_MODES
+from eagle_fsd.attention import BACKENDS
+from eagle_fsd.dtypes import DTYPES
+from eagle_fsd.fsd import DIVERGENCES, FSD_MODES, FsdConfig
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-DTYPE_NAMES = ("bf16", "fp16", "fp32", "auto")
-ATTENTION_NAMES = ("auto", "sdpa", "triton")
+DTYPE_NAMES = (*sorted(DTYPES), "auto")
+ATTENTION_NAMES = BACKENDS
 AUTO = "auto"  # a tree setting the measured cost model chooses (eagle_fsd.tune)
 
 
@@ -137,8 +138,6 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True, divergence_flag: bool = True) -> None:
     """The FSD flags; a command without --fsd-threshold (or --fsd-divergence) gets the default (None: lossless)."""
-    from eagle_fsd.divergence import DIVERGENCES
-
     if threshold_flag:
         p.add_argument("--fsd-threshold", type=float, default=None, help="FSD threshold T (default: lossless)")
     else:

@@ -146,12 +146,10 @@ def test_greedy_with_triton_tree_attention(kind, monkeypatch):
     monkeypatch.setattr(eagle_fsd.kernels, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     target = tiny_model(kind, seed=1)
     drafter = tiny_model(kind, seed=1)  # an exact copy drafting for the target: long accepted paths
-    for m in (target, drafter):
-        m.config.eagle_fsd_attention = "triton"
-    model = EaFsdModel(target, None, LMDrafter(drafter, 1000), total_token=12, depth=3, top_k=3)
+    model = EaFsdModel(target, None, LMDrafter(drafter, 1000, attention="triton"), total_token=12, depth=3, top_k=3,
+                       attention="triton")
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=12, eos_token_id=[], return_dict=True)
     assert len(calls) >= 2 * 2 * out.verify_steps  # at least every verification layer of the target and drafter
-    target.config.eagle_fsd_attention = "sdpa"
     assert torch.equal(out.sequences, hf_greedy(target, ids, 12))
     assert out.tau > 1.5

@@ -27,10 +27,15 @@ LAYER_OF = {
     "eagle_fsd.drafters": "drafting",
     "eagle_fsd.vocab": "drafting",
     "eagle_fsd.eagle3": "drafting",
+    "eagle_fsd.eagle3_export": "drafting",
     "eagle_fsd.files": "drafting",  # cache_dir, sha256_file, package_file
     "eagle_fsd": "engine",
     "eagle_fsd.model": "engine",
+    "eagle_fsd.loading": "engine",
+    "eagle_fsd.guard": "engine",
+    "eagle_fsd.dtypes": "drafting",
     "eagle_fsd.tune": "engine",
+    "eagle_fsd.tune.cli": "apps",  # `eagle-fsd tune`: its --mtbench analysis reads the MT-Bench questions
     "eagle_fsd.presets": "engine",
     "eagle_fsd.settings": "engine",
     "eagle_fsd.prompts": "engine",

@@ -170,8 +170,8 @@ def test_triton_backend_falls_back_to_sdpa_on_sliding_layers(kind, kernel_layers
 
     monkeypatch.setattr(attention, "sdpa_attention_forward", counting_sdpa)
     target = sliding_model(kind, 3)
-    target.config.eagle_fsd_attention = "triton"  # TEMPORARY: EaFsdModel(..., attention="triton") once model.py has it
-    model = EaFsdModel(target, None, LMDrafter(target, VOCAB, attention="triton"), total_token=8, depth=4, top_k=2)
+    model = EaFsdModel(target, None, LMDrafter(target, VOCAB, attention="triton"), total_token=8, depth=4, top_k=2,
+                       attention="triton")
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=12, eos_token_id=[], return_dict=True)
     sliding = {i for i, w in enumerate(attention.layer_windows(target.config)) if w is not None}

@@ -20,9 +20,9 @@ is below 1 the engine decodes plainly. Profiles are cached as JSON per model, dr
 
 Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
 (timing the terms, TuneSettings), store (the JSON cache, autotune / apply_tuning), dtype (dtype "auto"), cli
-(`eagle-fsd tune`, the cost-curve plot). Every public name is re-exported here.
+(`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other public names are
+re-exported here.
 """
-from eagle_fsd.tune.cli import format_profile, main, plot_cost_curves
 from eagle_fsd.tune.dtype import bf16_measures_faster, cpu_flags, native_bf16, resolve_dtype
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
                                     calibration_prompts, device_name, measure, measure_costs, measure_overhead,
@@ -34,6 +34,6 @@ from eagle_fsd.tune.store import TUNE_VERSION, apply_tuning, autotune, cache_key
 __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "CostProfile", "DraftSetup",
            "TuneSettings", "Tuning", "accepted_lengths", "accepted_path", "apply_tuning", "autotune",
            "bf16_measures_faster", "cache_key", "cache_path", "calibration_prompts", "choose_shape", "cpu_flags",
-           "cut_to_vocab", "describe", "device_name", "format_profile", "load_or_measure", "main", "measure",
-           "measure_costs", "measure_overhead", "native_bf16", "plot_cost_curves", "replay", "resolve_dtype",
+           "cut_to_vocab", "describe", "device_name", "load_or_measure", "measure",
+           "measure_costs", "measure_overhead", "native_bf16", "replay", "resolve_dtype",
            "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]

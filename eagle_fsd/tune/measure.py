@@ -103,7 +103,7 @@ def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rou
     """verify_ms per tree size, level_ms per (k, v), extend_ms per v; draft forwards run between the timed
     target forwards, as in the engine (they evict the target's weights from the caches)."""
     target, drafter = model.base_model, model.drafter
-    device, backend = target.device, getattr(model, "attention", None)
+    device, backend = target.device, model.attention
     ctx = context.to(device)
     hidden = target_hidden(model, ctx)
     cache = TreeCache(target.config.num_hidden_layers, ctx.numel() + max(sizes))
@@ -170,6 +170,8 @@ def draft_vocabularies(model, settings: TuneSettings, cheap: bool) -> dict:
     tries a second reduced size (vocab.candidate_sizes)."""
     from eagle_fsd import vocab as vocab_tables
 
+    if not getattr(model.drafter, "reducible_vocab", True):  # an EAGLE-3 head brings its own draft vocabulary
+        return {0: None}
     order = vocab_tables.frequency_order(model.tokenizer)
     if settings.vocabs is not None:
         reduced = [v for v in settings.vocabs if v]

@@ -10,18 +10,20 @@ from __future__ import annotations
 import torch
 
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.hf import causal_mask, decoder_forward
+from eagle_fsd.hf import causal_mask, decoder_outputs
 from eagle_fsd.tree.dynamic import grow_pool
 
 RANKS = 8  # the rank histogram counts the drafter's first RANKS root choices, and "none of them"
 
 
 def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
-    """The target's final-norm features (n, H) over ids (n,), from an empty cache, by the model's attention backend."""
+    """The features the drafter reads over ids (n,) (the target's final-norm hidden states, or for EAGLE-3 those
+    entering its feature layers), from an empty cache, by the model's attention backend."""
     target = model.base_model
     cache = TreeCache(target.config.num_hidden_layers, ids.numel())
-    return decoder_forward(target, ids, cache, causal_mask(0, ids.numel(), target.device),
-                           torch.arange(ids.numel(), device=target.device), getattr(model, "attention", None))
+    return decoder_outputs(target, ids, cache, causal_mask(0, ids.numel(), target.device),
+                           torch.arange(ids.numel(), device=target.device), model.attention,
+                           getattr(model.drafter, "feature_layers", None))[1]
 
 
 def accepted_path(pool, continuation: list[int]) -> list[int]:
