@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from transformers import TextStreamer
 
+from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.fsd import DIVERGENCES
 from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, load_model, parse_settings
@@ -144,7 +145,7 @@ class Totals:
 
     def line(self) -> str:
         tps = self.tokens / self.seconds if self.seconds else 0.0
-        tau = (self.accepted + self.steps) / self.steps if self.steps else float("nan")
+        tau = tokens_per_step(self.accepted, self.steps)
         fuzzy = self.fuzzy / self.accepted if self.accepted else 0.0
         return (f"{self.replies} replies, {self.tokens} tokens in {self.seconds:.2f} s = {tps:.2f} tokens/s, "
                 f"tau {tau:.2f}, fuzzy fraction {fuzzy:.2f}")

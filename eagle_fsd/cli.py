@@ -16,7 +16,7 @@ COMMANDS = {  # name -> (module with a main(argv) -> int, one-line help)
     "speed": ("eagle_fsd.eval.speed", "speed report of an answer jsonl (tokens/s, speedup, tau, acceptance)"),
     "sweep": ("eagle_fsd.eval.sweep", "quality vs speed over FSD thresholds (HumanEval / GSM8K)"),
     "chat": ("eagle_fsd.chat", "interactive chat with live speed statistics"),
-    "train-head": ("eagle_fsd.train", "train an EAGLE-1/2 head for a causal LM"),
+    "train-head": ("eagle_fsd.train", "train an EAGLE-1/2 or EAGLE-3 head for a causal LM"),
 }
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring and two examples."
 

@@ -130,7 +130,7 @@ class EaFsdModel(torch.nn.Module):
                         top_k: int | str | None = None, dtype="auto",
                         device_map=None, attention: str = "auto", tune_progress: bool = True, **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
-        ea_model_path: an EAGLE-1/2 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
+        ea_model_path: an EAGLE-1/2 or EAGLE-3 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
         hub id or a loaded model). Without either, a preset's default drafter is used if it has one (the EAGLE head
         shipped for it, else its sibling LM).
         total_token / depth / top_k: ints (EAGLE's meaning) or "auto": the shape the measured cost model predicts

@@ -26,7 +26,7 @@ AUTO = "auto"  # a tree setting the measured cost model chooses (eagle_fsd.tune)
 @dataclass(frozen=True)
 class ModelSettings:
     """What to load. drafter: an LM sharing the tokenizer or an EAGLE head directory (None: the preset's own);
-    ea_model_path: an EAGLE-1/2 head; conv_template: a FastChat template for models without a chat template;
+    ea_model_path: an EAGLE-1/2 or EAGLE-3 head; conv_template: a FastChat template for models without a chat template;
     threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default)."""
 
     model: str = DEFAULT_MODEL
@@ -111,7 +111,7 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.add_argument("--drafter", default=None,
                    help="LM drafter sharing the tokenizer (preset, dir or hub id) or an EAGLE head directory; "
                         "default: the preset's drafter")
-    p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
+    p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 or EAGLE-3 head (dir or hub id)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
     p.add_argument("--attention", choices=list(ATTENTION_NAMES), default="auto")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.presets import drafter_label
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
             seconds += sum(choice["wall_time"])
             steps += sum(choice["verify_steps"])
             accepted += sum(sum(a) for a in choice["accept_lengths"])
-            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.2f}", tau=f"{(accepted + steps) / max(steps, 1):.2f}")
+            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.2f}", tau=f"{tokens_per_step(accepted, steps):.2f}")
     except KeyboardInterrupt:
         bar.close()
         print(f"\ninterrupted: {written} new answers are in {job.answer_file}; add --resume to continue")

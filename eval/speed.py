@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle_fsd.eval.mtbench import read_answers
-from eagle_fsd.tree.accept import acceptance_by_depth
+from eagle_fsd.tree.accept import acceptance_by_depth, tokens_per_step
 
 
 def per_turn(choice: dict, key: str, path: Path, qid) -> list:
@@ -58,7 +58,7 @@ def summarize(rows: dict, ids=None) -> dict:
         lengths = [a for t in turns for a in t[3]]
         steps = len(lengths)
         out["verify_steps"] = steps
-        out["tau"] = (sum(lengths) + steps) / steps if steps else None
+        out["tau"] = tokens_per_step(sum(lengths), steps) if steps else None
         out["acceptance_by_depth"] = acceptance_by_depth(lengths)
         out["accept_length_histogram"] = {str(k): v for k, v in sorted(Counter(lengths).items())}
         if all(t[4] is not None for t in turns):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.eval import gsm8k, humaneval
 from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
 from eagle_fsd.fsd import FsdConfig
@@ -114,7 +115,7 @@ def totals(done: dict[str, dict], plain: dict[str, dict]) -> dict:
     steps, accepted = sum(r["verify_steps"] for r in rs), sum(r["accepted"] for r in rs)
     row = {"problems": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs),
            "tokens_per_s": tokens / seconds if seconds else None, "speedup": None,
-           "tau": (accepted + steps) / steps if steps else None,
+           "tau": tokens_per_step(accepted, steps) if steps else None,
            "fuzzy_fraction": sum(r["fuzzy"] for r in rs) / accepted if accepted else 0.0,
            "new_tokens": tokens, "wall_time": round(seconds, 3)}
     shared = [t for t in done if t in plain]  # speedup only over problems plain decoding also ran

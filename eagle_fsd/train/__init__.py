@@ -1,4 +1,5 @@
-"""`eagle-fsd train-head`: train an EAGLE-1/2 draft head for any Hugging Face causal LM.
+"""`eagle-fsd train-head`: train an EAGLE-1/2 (default) or EAGLE-3 (`--arch eagle3`) draft head for any Hugging Face
+causal LM.
 
     eagle-fsd train-head --base MODEL --data SOURCE --out DIR [--self-distill N] [--max-tokens N] [--epochs E]
                          [--resume] [--lr LR] [--batch-size B] [--threads T] [--seed S] ...
@@ -22,6 +23,11 @@ Stages (each cached under --cache-dir, default DIR/cache, so an interrupted run 
 Output: DIR/config.json + DIR/model.safetensors in the published EAGLE-1/2 layout (keys of eagle-llm's
 cnets.Model without embed_tokens; a Llama config with num_hidden_layers 1 plus "bias"), loadable by
 `eagle_fsd.drafters.load_eagle_head` and by `EaFsdModel.from_pretrained(base, ea_model_path=DIR)`.
+
+EAGLE-3 (`--arch eagle3`, train/eagle3.py): the features are the hidden states entering three target layers plus the
+last hidden state; the head gets its own lm_head over a draft vocabulary (--draft-vocab most frequent reply tokens)
+and is trained by the training-time test (--ttt-steps unrolled draft steps, soft cross-entropy against the target
+restricted to the draft vocabulary); --export writes the SafeAILab, SGLang or vLLM-speculators layout.
 
 Modules: data (1), distill (self-distillation), features (2), head (the head's config and saved layout), loss,
 loop (3), cli (arguments and the stages in order). The names below are re-exported from them.

@@ -31,6 +31,35 @@ def _cpu_bf16_fast() -> bool:
         return False
 
 
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """Optimisation, loss, storage and run-control flags."""
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (also capped by --batch-tokens)")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step / feature batch")
+    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=0.5, help="gradient value clip (EAGLE: 0.5; 0 = off)")
+    p.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise added to input features")
+    p.add_argument("--v-weight", type=float, default=1.0, help="weight of the SmoothL1 feature loss")
+    p.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy")
+    p.add_argument("--holdout", type=float, default=0.05,
+                   help="held-out conversations (the first ones): a fraction if < 1, else a count")
+    p.add_argument("--shard-size", type=int, default=256, help="conversations per feature shard")
+    p.add_argument("--feature-dtype", choices=DTYPES, default="bf16", help="storage dtype of the features")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="target dtype for generation and features (auto: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--train-precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="bf16 autocast for training (auto: on a GPU or a CPU with native bf16)")
+    p.add_argument("--save-dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps")
+    p.add_argument("--save-every", type=int, default=200, help="train-state checkpoint every N steps")
+    p.add_argument("--stop-after", choices=["data", "features"], default=None, help="stop after this stage")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="eagle-fsd train-head", description="train an EAGLE head for a causal LM")
     p.add_argument("--base", required=True, help="target model: preset name, hub id or directory")
@@ -61,31 +90,7 @@ def parse_args(argv):
                    help="use only conversations whose first user turn has at least this fraction of ASCII characters")
     p.add_argument("--init", default=None, metavar="HEAD",
                    help="start from this head (published layout, e.g. an earlier run's --out) instead of random weights")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (also capped by --batch-tokens)")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step / feature batch")
-    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=0.5, help="gradient value clip (EAGLE: 0.5; 0 = off)")
-    p.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise added to input features")
-    p.add_argument("--v-weight", type=float, default=1.0, help="weight of the SmoothL1 feature loss")
-    p.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy")
-    p.add_argument("--holdout", type=float, default=0.05,
-                   help="held-out conversations (the first ones): a fraction if < 1, else a count")
-    p.add_argument("--shard-size", type=int, default=256, help="conversations per feature shard")
-    p.add_argument("--feature-dtype", choices=DTYPES, default="bf16", help="storage dtype of the features")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                   help="target dtype for generation and features (auto: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--train-precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="bf16 autocast for training (auto: on a GPU or a CPU with native bf16)")
-    p.add_argument("--save-dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps")
-    p.add_argument("--save-every", type=int, default=200, help="train-state checkpoint every N steps")
-    p.add_argument("--stop-after", choices=["data", "features"], default=None, help="stop after this stage")
-    p.add_argument("--no-progress", action="store_true")
+    add_training_args(p)
     return p.parse_args(argv)
 
 

@@ -52,12 +52,13 @@ def collate(seqs: list[Seq], device) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 @torch.no_grad()
-def evaluate(head, embed, lm_head, seqs: list[Seq], device, batch_tokens: int = 4096, loss_fn=head_loss) -> dict:
+def evaluate(head, embed, lm_head, seqs: list[Seq], device, batch_tokens: int = 4096, loss_fn=None) -> dict:
     """Held-out metrics without noise, in fp32: top-1 agreement with the target's argmax and both losses."""
     was_training = head.training
     head.eval()
     correct = count = 0
     v = p = 0.0
+    loss_fn = loss_fn or head_loss
     by_step: list[list[int]] = []
     for batch in make_batches([s.ids.numel() for s in seqs], 64, batch_tokens, random.Random(0)):
         parts = loss_fn(head, embed, lm_head, *collate([seqs[i] for i in batch], device))
@@ -154,13 +155,14 @@ def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], 
           weight_decay: float = 0.0, grad_clip: float = 0.5, noise: float = 0.2, v_weight: float = 1.0,
           p_weight: float = 0.1, seed: int = 0, bf16: bool = False, state_path: Path | None = None,
           resume: bool = False, save_every: int = 200, eval_every: int = 200, progress: bool = True,
-          loss_fn=head_loss) -> dict:
+          loss_fn=None) -> dict:
     """Train `head` in place on the feature sequences; returns a summary (held-out metrics, steps, times).
     epochs may be fractional (the last epoch is cut short). loss_fn: head_loss (EAGLE-1/2) or one with its
-    signature (train.eagle3.Eagle3Loss)."""
+    signature (train.eagle3.Eagle3Loss); None: head_loss."""
     from tqdm import tqdm
 
     device = target.device
+    loss_fn = loss_fn or head_loss
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     for param in target.parameters():
         param.requires_grad_(False)
