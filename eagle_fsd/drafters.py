@@ -123,14 +123,19 @@ def load_eagle_head(path: str, target: nn.Module) -> EagleHead:
         raise ValueError(f"EAGLE head {path!r} embedding shape {tuple(emb.shape)} != target's {(vocab, hidden)}")
     config._attn_implementation = target_cfg._attn_implementation
     head = EagleHead(config, bias=bias, qkv_bias=qkv_bias)
+    load_weights(head, state, f"EAGLE head {path!r}", "EAGLE-1/2")
+    return head.cast(target.dtype).to(target.device).eval()
+
+
+def load_weights(head: nn.Module, state: dict, what: str, layout: str) -> None:
+    """Load `state` into `head` exactly; ValueError naming `what` and `layout` for misshapen, missing or unexpected
+    weights."""
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as err:  # wrong tensor shapes
-        raise ValueError(f"EAGLE head {path!r} does not fit the EAGLE-1/2 layout for this config: {err}") from err
+        raise ValueError(f"{what} does not fit the {layout} layout for this config: {err}") from err
     if missing or unexpected:
-        raise ValueError(f"EAGLE head {path!r} does not match the EAGLE-1/2 layout: missing {missing}, "
-                         f"unexpected {unexpected}")
-    return head.cast(target.dtype).to(target.device).eval()
+        raise ValueError(f"{what} does not match the {layout} layout: missing {missing}, unexpected {unexpected}")
 
 
 class DraftHead:

@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import _read_head_files
+from eagle_fsd.drafters import _read_head_files, load_weights
 from eagle_fsd.hf import cache_kwargs, causal_mask, prefix_tree_mask
 
 LAYOUTS = ("eagle", "sglang", "speculators")
@@ -277,13 +277,7 @@ def build_head(fmt: Eagle3Format, state: dict, num_aux: int = 3) -> Eagle3Head:
     draft_vocab = state["lm_head.weight"].shape[0] if "lm_head.weight" in state else (fmt.draft_vocab_size or 0)
     head = Eagle3Head(fmt.config, draft_vocab, fmt.target_hidden_size, num_aux, fmt.norm_before_residual,
                       own_embedding="embed_tokens.weight" in state, fc_bias="fc.bias" in state)
-    try:
-        missing, unexpected = head.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # wrong tensor shapes
-        raise ValueError(f"EAGLE-3 weights do not fit the {fmt.layout} layout for this config: {err}") from err
-    if missing or unexpected:
-        raise ValueError(f"EAGLE-3 weights do not match the {fmt.layout} layout: missing {missing}, unexpected "
-                         f"{unexpected}")
+    load_weights(head, state, "EAGLE-3 head", fmt.layout)
     return head
 
 

@@ -324,7 +324,7 @@ def test_error_unexpected_and_misshapen_weights(tmp_path, target):
     with pytest.raises(ValueError, match=r"unexpected \['midlayer.extra.weight'\]"):
         load_eagle3_head(path, target)
     path = edited(tmp_path / "s", target, state_edit=lambda s: s.update({"fc.weight": torch.ones(H, 2 * H)}))
-    with pytest.raises(ValueError, match="do not fit the sglang layout"):
+    with pytest.raises(ValueError, match="does not fit the sglang layout"):
         load_eagle3_head(path, target)
     path = edited(tmp_path / "l", target, state_edit=lambda s: s.update({"layers.1.hidden_norm.weight": torch.ones(H)}))
     with pytest.raises(ValueError, match="second decoder layer"):
