@@ -3,7 +3,6 @@ told apart by config.json) or a causal LM that shares the target's tokenizer."""
 from __future__ import annotations
 
 import json
-import os
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -33,10 +32,9 @@ def load_drafter(target, tokenizer, ea_model_path: str | None, draft_model, atte
     """The drafter for `target`: from an EAGLE head (ea_model_path: EAGLE-1/2 or EAGLE-3, a directory or hub id),
     else from draft_model (a name `resolve` turns into a directory or hub id, or a loaded model), else None."""
     if ea_model_path is not None:
-        if os.path.isdir(ea_model_path) or not ea_model_path.startswith(("/", ".", "~")):
-            if head_is_eagle3(ea_model_path):
-                head, layers = load_eagle3_head(ea_model_path, target)
-                return Eagle3Drafter(head, target, layers, attention)
+        if head_is_eagle3(ea_model_path):  # a missing directory or config.json is reported here, by name
+            head, layers = load_eagle3_head(ea_model_path, target)
+            return Eagle3Drafter(head, target, layers, attention)
         return EagleDrafter(load_eagle_head(ea_model_path, target), target, attention)
     if draft_model is None:
         return None
