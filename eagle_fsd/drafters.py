@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
 
 
@@ -139,17 +140,22 @@ def load_weights(head: nn.Module, state: dict, what: str, layout: str) -> None:
 
 
 class DraftHead:
-    """The draft lm_head, optionally restricted to a draft vocabulary: logits = h W[ids]^T (+ b[ids])."""
+    """The draft lm_head, optionally restricted to a draft vocabulary: logits = h W[ids]^T (+ b[ids]). `owner`: the
+    model whose output embeddings score (read at each call, so a prepacked lm_head is the one used)."""
 
-    def __init__(self, lm_head: nn.Module, width: int):
-        self.lm_head, self.width = lm_head, width  # width: the target's logit width
+    def __init__(self, owner: nn.Module, width: int):
+        self.owner, self.width = owner, width  # width: the target's logit width
         self.draft_vocab = None
-        self.weight, self.bias = None, None
+        self.weight, self.bias, self.packed = None, None, None
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.owner.get_output_embeddings()
 
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Score only the target ids `ids` (None: the whole vocabulary)."""
         if ids is None:
-            self.draft_vocab, self.weight, self.bias = None, None, None
+            self.draft_vocab, self.weight, self.bias, self.packed = None, None, None, None
             return
         weight = self.lm_head.weight
         ids = ids.to(weight.device, torch.long)
@@ -161,9 +167,12 @@ class DraftHead:
         self.weight = weight.detach()[ids].contiguous()
         bias = getattr(self.lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[ids].contiguous()
+        self.packed = pack_weight(self.weight) if isinstance(self.lm_head, PackedLinear) else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:
+            if self.packed is not None and self.lm_head.use_packed:
+                return packed_linear(hidden, self.packed, self.bias)
             return F.linear(hidden, self.weight, self.bias)
         logits = self.lm_head(hidden)
         width = logits.shape[-1]
@@ -187,7 +196,12 @@ class EagleDrafter:
         check_attention_support(target.config)
         self.head, self.target, self.attention = head, target, attention
         self.embed = target.get_input_embeddings()
-        self.draft_head = DraftHead(target.get_output_embeddings(), target.config.vocab_size)
+        self.draft_head = DraftHead(target, target.config.vocab_size)
+
+    @property
+    def module(self) -> nn.Module:
+        """The drafter's own weights (the target's embedding and lm_head are the target's)."""
+        return self.head
 
     @property
     def draft_vocab(self):
@@ -231,7 +245,11 @@ class LMDrafter:
         self.model = model
         self.attention = attention
         self.vocab_size = vocab_size  # the target's logit width; the draft's is cut or padded to it
-        self.draft_head = DraftHead(model.get_output_embeddings(), vocab_size)
+        self.draft_head = DraftHead(model, vocab_size)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model
 
     @property
     def draft_vocab(self):

@@ -341,6 +341,10 @@ class Eagle3Drafter:
         self.draft_vocab = None if full else ids
         self.draft_head = OwnVocabulary()
 
+    @property
+    def module(self) -> nn.Module:
+        return self.head
+
     def reset(self, max_len: int):
         self.cache = TreeCache(1, max_len)
         self.length = 0

@@ -13,6 +13,7 @@ from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import grow_tree
 from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
 from eagle_fsd.loading import load_drafter
+from eagle_fsd.prepack import prepack_linears
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
 from eagle_fsd.guard import PhaseClock, SpeedGuard
 from eagle_fsd.sampling import choose_tokens, logits_processor
@@ -128,7 +129,8 @@ class EaFsdModel(torch.nn.Module):
     def from_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
                         total_token: int | str | None = None, depth: int | str | None = None,
                         top_k: int | str | None = None, dtype="auto",
-                        device_map=None, attention: str = "auto", tune_progress: bool = True, **kwargs):
+                        device_map=None, attention: str = "auto", tune_progress: bool = True, prepack="auto",
+                        **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
         ea_model_path: an EAGLE-1/2 or EAGLE-3 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
         hub id or a loaded model). Without either, a preset's default drafter is used if it has one (the EAGLE head
@@ -136,9 +138,11 @@ class EaFsdModel(torch.nn.Module):
         total_token / depth / top_k: ints (EAGLE's meaning) or "auto": the shape the measured cost model predicts
         fastest on this machine (eagle_fsd.tune; measured once, cached), with plain decoding when nothing pays.
         Unset: "auto" for a preset, else EAGLE's defaults (60, 5, 10).
-        dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32."""
+        dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32.
+        prepack "auto": on CPU in bf16, the linear weights of target and drafter packed once for oneDNN
+        (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it."""
         from eagle_fsd import presets
-        from eagle_fsd.tune import resolve_dtype
+        from eagle_fsd.tune import resolve_dtype, resolve_prepack
 
         check_backend(attention)
         total_token, depth, top_k = cls._tree_settings(base_model in presets.PRESETS, total_token, depth, top_k)
@@ -147,7 +151,7 @@ class EaFsdModel(torch.nn.Module):
         if dtype == "auto":
             from transformers import AutoConfig
 
-            dtype = resolve_dtype(dtype, device_map, AutoConfig.from_pretrained(path))
+            dtype = resolve_dtype(dtype, device_map, AutoConfig.from_pretrained(path), prepack)
         if ea_model_path is None and draft_model is None:  # the preset's own drafter: a shipped head, else an LM
             ea_model_path = presets.shipped_head(base_model)
             if ea_model_path is None:
@@ -156,6 +160,10 @@ class EaFsdModel(torch.nn.Module):
         target = AutoModelForCausalLM.from_pretrained(path, **load).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
         drafter = load_drafter(target, tokenizer, ea_model_path, draft_model, attention, presets.resolve_model)
+        if resolve_prepack(prepack, target):
+            for module in (target, None if drafter is None else drafter.module):
+                if module is not None:
+                    prepack_linears(module)
         fixed = [1 if v == "auto" else v for v in (total_token, depth, top_k)]
         model = cls(target, tokenizer, drafter, *fixed, attention=attention)
         if drafter is not None and auto:

@@ -27,7 +27,8 @@ AUTO = "auto"  # a tree setting the measured cost model chooses (eagle_fsd.tune)
 class ModelSettings:
     """What to load. drafter: an LM sharing the tokenizer or an EAGLE head directory (None: the preset's own);
     ea_model_path: an EAGLE-1/2 or EAGLE-3 head; conv_template: a FastChat template for models without a chat template;
-    threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default)."""
+    threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default);
+    prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU bf16 linear weights packed once for oneDNN)."""
 
     model: str = DEFAULT_MODEL
     drafter: str | None = None
@@ -37,11 +38,12 @@ class ModelSettings:
     conv_template: str | None = None
     threads: int | None = None
     device: str | None = None
+    prepack: str = "auto"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
         return cls(args.model, args.drafter, args.ea_model_path, args.dtype, args.attention, args.conv_template,
-                   args.threads)
+                   args.threads, prepack=args.prepack)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,8 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
     p.add_argument("--attention", choices=list(ATTENTION_NAMES), default="auto")
+    p.add_argument("--prepack", choices=("auto", "on", "off"), default="auto",
+                   help="CPU bf16: linear weights packed once for oneDNN; auto: where it measures faster")
     p.add_argument("--total-token", type=tree_arg, default=AUTO,
                    help="tree nodes incl. root, or auto (default): chosen by the measured cost model (eagle-fsd tune)")
     p.add_argument("--depth", type=tree_arg, default=AUTO, help="draft forwards per step, or auto")
@@ -206,7 +210,8 @@ def load_model(settings: Settings):
         head, lm = lm, None
     model = EaFsdModel.from_pretrained(m.model, ea_model_path=head, draft_model=lm, total_token=tree.total_token,
                                        depth=tree.depth, top_k=tree.top_k, dtype=torch_dtype(m.dtype),
-                                       device_map=m.device, attention=m.attention)
+                                       device_map=m.device, attention=m.attention,
+                                       prepack=m.prepack)
     if model.drafter is None and not settings.generation.baseline:
         raise SystemExit(f"{m.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
                          "--ea-model-path HEAD, or --baseline for plain decoding")

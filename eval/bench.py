@@ -19,11 +19,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.prepack import unpacked
 from eagle_fsd.prompts import PromptFormat
-from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, load_model, parse_settings
+from eagle_fsd.presets import resolve_model
+from eagle_fsd.settings import (Settings, add_fsd_args, add_model_args, add_threads_arg, load_model, parse_settings,
+                                torch_dtype)
 
 PHASES = ("draft", "verify", "accept", "cache", "other")
 
@@ -40,6 +44,7 @@ class BenchJob:
     plain: bool = True
     fsd_rows: list[FsdConfig] = field(default_factory=list)  # one row per (divergence, T)
     also_tree: list[str] = field(default_factory=list)  # "TOTAL_TOKEN,DEPTH,TOP_K"
+    also_hf_dtype: list[str] = field(default_factory=list)  # HF generate on a copy of the target in these dtypes
 
 
 def parse_fsd(specs: list[str]) -> list[tuple[str, float]]:
@@ -60,11 +65,13 @@ def prompts(tokenizer, n: int, path=None) -> list[torch.Tensor]:
 
 
 def hf_method(target, max_new_tokens: int, assistant=None):
-    """HF generate greedy, optionally assisted by `assistant` (HF's own speculative decoding)."""
+    """HF generate greedy, optionally assisted by `assistant` (HF's own speculative decoding), with the plain
+    `F.linear` kernels as users run it (no prepacked weights)."""
     def run(ids):
         start = time.perf_counter()
-        seq = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=max_new_tokens, assistant_model=assistant)
+        with unpacked(target, assistant):
+            seq = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=max_new_tokens, assistant_model=assistant)
         return {"sequences": seq, "wall_time": time.perf_counter() - start}
     return run
 
@@ -74,6 +81,10 @@ def methods_for(model, job: BenchJob) -> dict:
     methods = {"hf-generate": hf_method(target, n)}
     if job.plain:
         methods["plain"] = lambda ids: model.naive_generate(ids, max_new_tokens=n, return_dict=True)
+    for name in job.also_hf_dtype:  # e.g. fp32 beside a bf16 model: the user's other plain alternative
+        copy = AutoModelForCausalLM.from_pretrained(resolve_model(job.settings.model.model),
+                                                    dtype=torch_dtype(name)).eval()
+        methods[f"hf-generate {name}"] = hf_method(copy, n)
     assistant = getattr(model.drafter, "model", None)
     if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)
@@ -111,8 +122,7 @@ def run(job: BenchJob) -> dict:
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
     methods = methods_for(model, job)
     model.generate(ids_list[0][:, :16], max_new_tokens=8)  # warm-up
-    model.base_model.generate(ids_list[0][:, :16], attention_mask=torch.ones_like(ids_list[0][:, :16]),
-                              do_sample=False, max_new_tokens=8)
+    hf_method(model.base_model, 8)(ids_list[0][:, :16])
     totals = {m: defaultdict(float) for m in methods}
     per_question = {m: [] for m in methods}
     reference = []
@@ -206,6 +216,8 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     p.add_argument("--fsd", action="append", default=[], help="DIVERGENCE:T1,T2,... (repeatable)")
     p.add_argument("--also-tree", action="append", default=[],
                    help="TOTAL_TOKEN,DEPTH,TOP_K: also run this fixed tree, full draft vocabulary (repeatable)")
+    p.add_argument("--also-hf-dtype", action="append", default=[], choices=("bf16", "fp16", "fp32"),
+                   help="also time HF generate on a copy of the target in this dtype (repeatable)")
     add_fsd_args(p, threshold_flag=False, divergence_flag=False)  # --fsd-mode; --fsd gives divergences and T
     p.add_argument("--json", default=None, help="write the results here")
     add_threads_arg(p)
@@ -213,7 +225,7 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     settings = parse_settings(p, args)
     fsd_rows = [FsdConfig(t, name, settings.fsd.mode) for name, t in parse_fsd(args.fsd)]
     job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
-                   args.also_tree)
+                   args.also_tree, args.also_hf_dtype)
     return job, args.json
 
 

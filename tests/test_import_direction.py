@@ -34,6 +34,7 @@ LAYER_OF = {
     "eagle_fsd.loading": "engine",
     "eagle_fsd.guard": "engine",
     "eagle_fsd.dtypes": "drafting",
+    "eagle_fsd.prepack": "drafting",
     "eagle_fsd.tune": "engine",
     "eagle_fsd.tune.cli": "apps",  # `eagle-fsd tune`: its --mtbench analysis reads the MT-Bench questions
     "eagle_fsd.presets": "engine",

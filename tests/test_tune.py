@@ -173,9 +173,9 @@ def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
     assert not tune.native_bf16()
     assert tune.resolve_dtype("auto") == torch.float32
     monkeypatch.setattr(tune_dtype, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape: True)
+    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape, packed: True)
     assert tune.resolve_dtype("auto") == torch.bfloat16
-    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape: False)  # native but slower when measured
+    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape, packed: False)  # native, slower measured
     assert tune.resolve_dtype("auto") == torch.float32
     assert tune.resolve_dtype(torch.float16) == torch.float16
 

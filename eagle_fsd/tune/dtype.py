@@ -1,11 +1,14 @@
-"""dtype "auto": bf16 on CUDA; on CPU bf16 only where it is native and measures faster on the model's own shape."""
+"""dtype "auto": bf16 on CUDA; on CPU bf16 only where it is native and measures faster on the model's own shape.
+prepack "auto": oneDNN-packed bf16 linear weights on CPU where oneDNN supports them and they measure faster."""
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
 
+from eagle_fsd.prepack import pack_weight, packed_linear, prepack_supported
 from eagle_fsd.tune.measure import timed_rounds
 
 
@@ -26,27 +29,44 @@ def native_bf16(flags: set[str] | None = None) -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
-@functools.lru_cache(maxsize=None)
-def bf16_measures_faster(hidden: int = 1536, intermediate: int = 8960) -> bool:
-    """The model's MLP up-projection (hidden -> intermediate) over 1, 4 and 8 rows (plain steps and small trees),
-    bf16 against fp32 on this CPU, timed round-robin: bf16 when the three together take less time."""
-    w32 = torch.randn(intermediate, hidden)
-    w16 = w32.bfloat16()
-    inputs = {rows: torch.randn(rows, hidden) for rows in (1, 4, 8)}
+def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> dict[str, float]:
+    """Time of the MLP up-projection (hidden -> intermediate) over 1, 4 and 8 rows together (plain steps and small
+    trees) for each kind of kernel ("fp32", "bf16", "bf16-packed"), timed round-robin. The weights rotate over
+    copies totalling 128 MB in fp32, so they come from memory, as in a decode step, not from cache."""
+    copies = max(1, math.ceil(128 * 2**20 / (hidden * intermediate * 4)))
+    weights32 = [torch.randn(intermediate, hidden) for _ in range(copies)]
+    weights = {"fp32": weights32}
+    if "bf16" in kinds or "bf16-packed" in kinds:
+        weights["bf16"] = [w.bfloat16() for w in weights32]
+    if "bf16-packed" in kinds:
+        weights["bf16-packed"] = [pack_weight(w) for w in weights["bf16"]]
     fns = {}
-    for rows, x32 in inputs.items():
+    for rows in (1, 4, 8):
+        x32 = torch.randn(rows, hidden)
         x16 = x32.bfloat16()
-        fns[("bf16", rows)] = lambda x=x16: torch.nn.functional.linear(x, w16)
-        fns[("fp32", rows)] = lambda x=x32: torch.nn.functional.linear(x, w32)
+        for kind in kinds:
+            if kind == "bf16-packed":
+                fns[(kind, rows)] = lambda ws=weights[kind], x=x16: [packed_linear(x, w, None) for w in ws]
+            else:
+                fns[(kind, rows)] = lambda ws=weights[kind], x=(x32 if kind == "fp32" else x16): [
+                    torch.nn.functional.linear(x, w) for w in ws]
     timed = timed_rounds(fns, rounds=9)
-    total = {dt: sum(t for (name, _), t in timed.items() if name == dt) for dt in ("bf16", "fp32")}
-    return total["bf16"] < total["fp32"]
+    return {kind: sum(t for (name, _), t in timed.items() if name == kind) for kind in kinds}
 
 
-def resolve_dtype(dtype, device_map=None, config=None):
+@functools.lru_cache(maxsize=None)
+def bf16_measures_faster(hidden: int = 1536, intermediate: int = 8960, packed: bool = False) -> bool:
+    """bf16 against fp32 on the model's MLP shape (`mlp_kernel_ms`): bf16 when it takes less time. packed: bf16 as it
+    will run, with the weights prepacked for oneDNN (eagle_fsd.prepack)."""
+    bf16 = "bf16-packed" if packed else "bf16"
+    ms = mlp_kernel_ms(hidden, intermediate, ("fp32", bf16))
+    return ms[bf16] < ms["fp32"]
+
+
+def resolve_dtype(dtype, device_map=None, config=None, prepack="auto"):
     """dtype "auto": CUDA -> bf16 (fp16 without bf16 support); CPU -> bf16 only with native bf16 matmul that
-    also measures faster on the model's own MLP shape (`config`; 1, 4 and 8 rows together), else fp32. Anything
-    else is returned unchanged."""
+    also measures faster on the model's own MLP shape (`config`; 1, 4 and 8 rows together), else fp32. bf16 is timed
+    as it will run: prepacked for oneDNN unless `prepack` is off or unsupported. Anything else is returned unchanged."""
     if dtype != "auto":
         return dtype
     on_cuda = torch.cuda.is_available() and device_map is not None and "cpu" not in str(device_map)
@@ -55,4 +75,30 @@ def resolve_dtype(dtype, device_map=None, config=None):
     if not native_bf16():
         return torch.float32
     shape = () if config is None else (config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))
-    return torch.bfloat16 if bf16_measures_faster(*shape) else torch.float32
+    packed = prepack not in (False, "off") and prepack_supported(torch.bfloat16, "cpu")
+    return torch.bfloat16 if bf16_measures_faster(*shape, packed=packed) else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def prepack_measures_faster(hidden: int = 1536, intermediate: int = 8960) -> bool:
+    """bf16 with prepacked weights against `F.linear` in bf16 on the model's MLP shape (`mlp_kernel_ms`)."""
+    ms = mlp_kernel_ms(hidden, intermediate, ("bf16", "bf16-packed"))
+    return ms["bf16-packed"] < ms["bf16"]
+
+
+def resolve_prepack(prepack, model) -> bool:
+    """prepack True / "on", False / "off" or "auto" for a loaded model: "auto" packs where oneDNN supports it (CPU,
+    bf16) and the packed kernel measures faster on the model's MLP shape; forcing it where unsupported is an error."""
+    choice = ("on" if prepack else "off") if isinstance(prepack, bool) else prepack
+    if choice not in ("on", "off", "auto"):
+        raise ValueError(f"prepack={prepack!r}: use 'auto', 'on' or 'off' (or True / False)")
+    if choice == "off":
+        return False
+    supported = prepack_supported(model.dtype, model.device)
+    if choice == "on" and not supported:
+        raise ValueError(f"prepack on needs a CPU model in bf16 and oneDNN bf16 support (AVX-512 BF16 or AMX); "
+                         f"this model is {model.dtype} on {model.device}. Use prepack 'auto' or 'off'")
+    if choice == "on" or not supported:
+        return supported
+    config = model.config
+    return prepack_measures_faster(config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))

@@ -37,7 +37,7 @@ class TuneSettings:
     max_depth: int = MAX_DEPTH
     sizes: tuple[int, ...] = SIZES
     vocabs: tuple[int, ...] | None = None
-    rounds: int = 5
+    rounds: int = 7
     replay_seconds: float = 45.0
     prompt_texts: tuple[str, ...] | None = None  # None: the shipped calibration prompts
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
+from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.tune.measure import TuneSettings, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 
-TUNE_VERSION = 2
+TUNE_VERSION = 3
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
@@ -21,6 +22,8 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
     key = {"model": str(base_model), "drafter": str(drafter_id), "device": device_name(target.device),
            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
            "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
+    if is_prepacked(target):
+        key["prepacked"] = True
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key

@@ -1,0 +1,91 @@
+"""Linear layers with weights packed once for oneDNN (CPU, bf16).
+
+`F.linear` on a bf16 CPU tensor hands the weight to oneDNN in its plain row-major layout, and oneDNN reorders it
+into its blocked layout on every call. For the few rows of a decode or verification step that reorder is a large
+share of the matmul. Reordering once at load time (what Inductor's weight freezing does) removes it: y = x W^T + b,
+the same product and the same kernel, with the weight already in the layout the kernel reads.
+
+`prepack_linears(model)` swaps every `nn.Linear` of a module tree for a `PackedLinear` that shares its weight and bias
+(state_dict, `.weight` and tied embeddings are unchanged) and keeps a packed copy beside them (one more copy of the
+linear weights in memory). `unpacked(model)` runs a block with the plain kernels again, e.g. to time HF `generate` as
+users run it. CPU only: a packed layer raises if its input is not on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def prepack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """oneDNN can pack this: a CPU model in bf16 on a CPU with bf16 support in oneDNN (AVX-512 BF16 or AMX)."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    return bool(ops._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W (out, in) in oneDNN's blocked layout for a linear layer (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b with W from `pack_weight`; x of any leading shape."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose forward reads a packed copy of its weight (see the module docstring). Inference only:
+    the packed copy does not follow later changes to `weight`."""
+
+    packed: torch.Tensor
+    use_packed: bool = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias  # shared, not copied
+        layer.packed = pack_weight(linear.weight)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_packed:
+            return super().forward(x)
+        if x.device.type != "cpu":
+            raise RuntimeError("PackedLinear holds a CPU-packed weight; load the model on the device instead of "
+                               "moving a prepacked one")
+        return packed_linear(x, self.packed, None if self.bias is None else self.bias.detach())
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Swap every plain nn.Linear under `model` for a PackedLinear sharing its parameters; returns how many."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear.from_linear(child))
+                swapped += 1
+    return swapped
+
+
+def is_prepacked(model: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@contextlib.contextmanager
+def unpacked(*models: nn.Module):
+    """Within the block the PackedLinear layers of `models` run the plain `F.linear` kernel."""
+    layers = [m for model in models if model is not None for m in model.modules() if isinstance(m, PackedLinear)]
+    for layer in layers:
+        layer.use_packed = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.use_packed = True
