@@ -161,9 +161,9 @@ class EaFsdModel(torch.nn.Module):
         tokenizer = AutoTokenizer.from_pretrained(path)
         drafter = load_drafter(target, tokenizer, ea_model_path, draft_model, attention, presets.resolve_model)
         if resolve_prepack(prepack, target):
-            for module in (target, None if drafter is None else drafter.module):
-                if module is not None:
-                    prepack_linears(module)
+            prepack_linears(target)
+            if drafter is not None:
+                prepack_linears(drafter.module)
         fixed = [1 if v == "auto" else v for v in (total_token, depth, top_k)]
         model = cls(target, tokenizer, drafter, *fixed, attention=attention)
         if drafter is not None and auto:

@@ -117,8 +117,7 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
     p.add_argument("--attention", choices=list(ATTENTION_NAMES), default="auto")
-    p.add_argument("--prepack", choices=("auto", "on", "off"), default="auto",
-                   help="CPU bf16: linear weights packed once for oneDNN; auto: where it measures faster")
+    add_prepack_arg(p)
     p.add_argument("--total-token", type=tree_arg, default=AUTO,
                    help="tree nodes incl. root, or auto (default): chosen by the measured cost model (eagle-fsd tune)")
     p.add_argument("--depth", type=tree_arg, default=AUTO, help="draft forwards per step, or auto")
@@ -134,6 +133,11 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     else:
         p.set_defaults(baseline=False)
     p.set_defaults(threads=None)
+
+
+def add_prepack_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prepack", choices=("auto", "on", "off"), default="auto",
+                   help="CPU bf16: linear weights packed once for oneDNN; auto: where it measures faster")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

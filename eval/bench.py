@@ -85,6 +85,7 @@ def methods_for(model, job: BenchJob) -> dict:
         copy = AutoModelForCausalLM.from_pretrained(resolve_model(job.settings.model.model),
                                                     dtype=torch_dtype(name)).eval()
         methods[f"hf-generate {name}"] = hf_method(copy, n)
+        hf_method(copy, 4)(torch.tensor([[1, 2, 3, 4]]))  # warm-up, as for the loaded model in `run`
     assistant = getattr(model.drafter, "model", None)
     if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)

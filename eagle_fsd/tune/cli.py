@@ -12,6 +12,7 @@ def main(argv=None) -> int:
     import argparse
 
     from eagle_fsd.model import EaFsdModel
+    from eagle_fsd.settings import add_prepack_arg, torch_dtype
 
     p = argparse.ArgumentParser(prog="eagle-fsd tune", description="measure the speculation cost model on this "
                                 "machine, print the predicted speedup of each tree shape and cache the profile")
@@ -19,8 +20,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default=None, help="LM drafter (preset, dir or hub id); default: the preset's")
     p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
-    p.add_argument("--prepack", choices=("auto", "on", "off"), default="auto",
-                   help="CPU bf16: linear weights packed once for oneDNN (as run/bench load them)")
+    add_prepack_arg(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--top", type=int, default=8, help="print the N best shapes")
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
                                        dtype=dtype, total_token=1, depth=1, top_k=1,  # the tree is measured below
                                        prepack=args.prepack)

@@ -40,16 +40,14 @@ def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> dic
         weights["bf16"] = [w.bfloat16() for w in weights32]
     if "bf16-packed" in kinds:
         weights["bf16-packed"] = [pack_weight(w) for w in weights["bf16"]]
+    kernels = {"fp32": torch.nn.functional.linear, "bf16": torch.nn.functional.linear,
+               "bf16-packed": lambda x, w: packed_linear(x, w, None)}
     fns = {}
     for rows in (1, 4, 8):
         x32 = torch.randn(rows, hidden)
-        x16 = x32.bfloat16()
+        inputs = {"fp32": x32, "bf16": x32.bfloat16(), "bf16-packed": x32.bfloat16()}
         for kind in kinds:
-            if kind == "bf16-packed":
-                fns[(kind, rows)] = lambda ws=weights[kind], x=x16: [packed_linear(x, w, None) for w in ws]
-            else:
-                fns[(kind, rows)] = lambda ws=weights[kind], x=(x32 if kind == "fp32" else x16): [
-                    torch.nn.functional.linear(x, w) for w in ws]
+            fns[(kind, rows)] = lambda f=kernels[kind], x=inputs[kind], ws=weights[kind]: [f(x, w) for w in ws]
     timed = timed_rounds(fns, rounds=9)
     return {kind: sum(t for (name, _), t in timed.items() if name == kind) for kind in kinds}
 
@@ -75,7 +73,7 @@ def resolve_dtype(dtype, device_map=None, config=None, prepack="auto"):
     if not native_bf16():
         return torch.float32
     shape = () if config is None else (config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))
-    packed = prepack not in (False, "off") and prepack_supported(torch.bfloat16, "cpu")
+    packed = prepack_choice(prepack) != "off" and prepack_supported(torch.bfloat16, "cpu")
     return torch.bfloat16 if bf16_measures_faster(*shape, packed=packed) else torch.float32
 
 
@@ -86,12 +84,18 @@ def prepack_measures_faster(hidden: int = 1536, intermediate: int = 8960) -> boo
     return ms["bf16-packed"] < ms["bf16"]
 
 
-def resolve_prepack(prepack, model) -> bool:
-    """prepack True / "on", False / "off" or "auto" for a loaded model: "auto" packs where oneDNN supports it (CPU,
-    bf16) and the packed kernel measures faster on the model's MLP shape; forcing it where unsupported is an error."""
+def prepack_choice(prepack) -> str:
+    """"auto", "on" or "off" from the accepted spellings (True / False too); anything else is an error."""
     choice = ("on" if prepack else "off") if isinstance(prepack, bool) else prepack
     if choice not in ("on", "off", "auto"):
         raise ValueError(f"prepack={prepack!r}: use 'auto', 'on' or 'off' (or True / False)")
+    return choice
+
+
+def resolve_prepack(prepack, model) -> bool:
+    """prepack True / "on", False / "off" or "auto" for a loaded model: "auto" packs where oneDNN supports it (CPU,
+    bf16) and the packed kernel measures faster on the model's MLP shape; forcing it where unsupported is an error."""
+    choice = prepack_choice(prepack)
     if choice == "off":
         return False
     supported = prepack_supported(model.dtype, model.device)
