@@ -40,6 +40,7 @@ def run_main(argv=None) -> int:
 
     from eagle_fsd.prepack import is_prepacked
     from eagle_fsd.prompts import PromptFormat
+    from eagle_fsd.quant import quant_bits
     from eagle_fsd.settings import load_model
 
     settings, args = parse_run_args(argv)
@@ -51,6 +52,9 @@ def run_main(argv=None) -> int:
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
     if is_prepacked(model.base_model):
         print("bf16 linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
+    if model.drafter is not None and quant_bits(model.drafter.module):
+        print(f"drafter weights in int{quant_bits(model.drafter.module)} (verification keeps the target's; "
+              "--draft-quant off: as loaded)")
     ids = PromptFormat(tok, settings.model.conv_template).encode([{"role": "user", "content": args.prompt}])
     ids = ids.to(model.base_model.device)
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up

@@ -24,6 +24,7 @@ from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
+from eagle_fsd.quant import QuantLinear, int4_fits
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
 
 
@@ -146,7 +147,7 @@ class DraftHead:
     def __init__(self, owner: nn.Module, width: int):
         self.owner, self.width = owner, width  # width: the target's logit width
         self.draft_vocab = None
-        self.weight, self.bias, self.packed = None, None, None
+        self.weight, self.bias, self.packed, self.quant = None, None, None, None
 
     @property
     def lm_head(self) -> nn.Module:
@@ -155,7 +156,7 @@ class DraftHead:
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Score only the target ids `ids` (None: the whole vocabulary)."""
         if ids is None:
-            self.draft_vocab, self.weight, self.bias, self.packed = None, None, None, None
+            self.draft_vocab, self.weight, self.bias, self.packed, self.quant = None, None, None, None, None
             return
         weight = self.lm_head.weight
         ids = ids.to(weight.device, torch.long)
@@ -168,9 +169,14 @@ class DraftHead:
         bias = getattr(self.lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[ids].contiguous()
         self.packed = pack_weight(self.weight) if isinstance(self.lm_head, PackedLinear) else None
+        bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
+        self.quant = (QuantLinear.from_weight(self.weight, self.bias, bits)
+                      if bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)) else None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:
+            if self.quant is not None:
+                return self.quant(hidden)
             if self.packed is not None and self.lm_head.use_packed:
                 return packed_linear(hidden, self.packed, self.bias)
             return F.linear(hidden, self.weight, self.bias)

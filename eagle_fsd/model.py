@@ -14,6 +14,7 @@ from eagle_fsd.drafters import grow_tree
 from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
 from eagle_fsd.loading import load_drafter
 from eagle_fsd.prepack import prepack_linears
+from eagle_fsd.quant import quantize_linears
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
 from eagle_fsd.guard import PhaseClock, SpeedGuard
 from eagle_fsd.sampling import choose_tokens, logits_processor
@@ -130,7 +131,7 @@ class EaFsdModel(torch.nn.Module):
                         total_token: int | str | None = None, depth: int | str | None = None,
                         top_k: int | str | None = None, dtype="auto",
                         device_map=None, attention: str = "auto", tune_progress: bool = True, prepack="auto",
-                        **kwargs):
+                        draft_quant="auto", **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
         ea_model_path: an EAGLE-1/2 or EAGLE-3 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
         hub id or a loaded model). Without either, a preset's default drafter is used if it has one (the EAGLE head
@@ -140,11 +141,14 @@ class EaFsdModel(torch.nn.Module):
         Unset: "auto" for a preset, else EAGLE's defaults (60, 5, 10).
         dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32.
         prepack "auto": on CPU in bf16, the linear weights of target and drafter packed once for oneDNN
-        (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it."""
+        (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
+        draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
+        measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless."""
         from eagle_fsd import presets
-        from eagle_fsd.tune import resolve_dtype, resolve_prepack
+        from eagle_fsd.tune import resolve_draft_quant, resolve_dtype, resolve_prepack
 
         check_backend(attention)
+        resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
         total_token, depth, top_k = cls._tree_settings(base_model in presets.PRESETS, total_token, depth, top_k)
         auto = [name for name, v in (("total_token", total_token), ("depth", depth), ("top_k", top_k)) if v == "auto"]
         path = presets.resolve_model(base_model)
@@ -164,6 +168,9 @@ class EaFsdModel(torch.nn.Module):
             prepack_linears(target)
             if drafter is not None:
                 prepack_linears(drafter.module)
+        draft_bits = resolve_draft_quant(draft_quant, drafter)
+        if draft_bits:
+            quantize_linears(drafter.module, draft_bits)
         fixed = [1 if v == "auto" else v for v in (total_token, depth, top_k)]
         model = cls(target, tokenizer, drafter, *fixed, attention=attention)
         if drafter is not None and auto:

@@ -80,8 +80,9 @@ def is_prepacked(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def unpacked(*models: nn.Module):
-    """Within the block the PackedLinear layers of `models` run the plain `F.linear` kernel."""
-    layers = [m for model in models if model is not None for m in model.modules() if isinstance(m, PackedLinear)]
+    """Within the block the PackedLinear layers of `models` (and the int4 / int8 drafting layers of eagle_fsd.quant,
+    which share the flag) run the plain `F.linear` kernel on their own weights."""
+    layers = [m for model in models if model is not None for m in model.modules() if hasattr(m, "use_packed")]
     for layer in layers:
         layer.use_packed = False
     try:

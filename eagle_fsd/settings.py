@@ -28,7 +28,8 @@ class ModelSettings:
     """What to load. drafter: an LM sharing the tokenizer or an EAGLE head directory (None: the preset's own);
     ea_model_path: an EAGLE-1/2 or EAGLE-3 head; conv_template: a FastChat template for models without a chat template;
     threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default);
-    prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU bf16 linear weights packed once for oneDNN)."""
+    prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU bf16 linear weights packed once for oneDNN);
+    draft_quant: "auto", "int4", "int8" or "off" (eagle_fsd.quant: the drafter's weights rounded, CPU)."""
 
     model: str = DEFAULT_MODEL
     drafter: str | None = None
@@ -39,11 +40,12 @@ class ModelSettings:
     threads: int | None = None
     device: str | None = None
     prepack: str = "auto"
+    draft_quant: str = "auto"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
         return cls(args.model, args.drafter, args.ea_model_path, args.dtype, args.attention, args.conv_template,
-                   args.threads, prepack=args.prepack)
+                   args.threads, prepack=args.prepack, draft_quant=args.draft_quant)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="auto: bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32")
     p.add_argument("--attention", choices=list(ATTENTION_NAMES), default="auto")
-    add_prepack_arg(p)
+    add_kernel_args(p)
     p.add_argument("--total-token", type=tree_arg, default=AUTO,
                    help="tree nodes incl. root, or auto (default): chosen by the measured cost model (eagle-fsd tune)")
     p.add_argument("--depth", type=tree_arg, default=AUTO, help="draft forwards per step, or auto")
@@ -135,9 +137,12 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.set_defaults(threads=None)
 
 
-def add_prepack_arg(p: argparse.ArgumentParser) -> None:
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prepack", choices=("auto", "on", "off"), default="auto",
                    help="CPU bf16: linear weights packed once for oneDNN; auto: where it measures faster")
+    p.add_argument("--draft-quant", choices=("auto", "int4", "int8", "off"), default="auto",
+                   help="CPU: the drafter's weights in int4 / int8 (verification keeps the target's: lossless); "
+                        "auto: int4 for an LM drafter where it measures faster")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -215,7 +220,7 @@ def load_model(settings: Settings):
     model = EaFsdModel.from_pretrained(m.model, ea_model_path=head, draft_model=lm, total_token=tree.total_token,
                                        depth=tree.depth, top_k=tree.top_k, dtype=torch_dtype(m.dtype),
                                        device_map=m.device, attention=m.attention,
-                                       prepack=m.prepack)
+                                       prepack=m.prepack, draft_quant=m.draft_quant)
     if model.drafter is None and not settings.generation.baseline:
         raise SystemExit(f"{m.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
                          "--ea-model-path HEAD, or --baseline for plain decoding")

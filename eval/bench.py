@@ -24,6 +24,8 @@ from transformers import AutoModelForCausalLM
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.prepack import unpacked
+from eagle_fsd.quant import original_weights, quant_bits
+from eagle_fsd.tune import device_name
 from eagle_fsd.prompts import PromptFormat
 from eagle_fsd.presets import resolve_model
 from eagle_fsd.settings import (Settings, add_fsd_args, add_model_args, add_threads_arg, load_model, parse_settings,
@@ -45,6 +47,7 @@ class BenchJob:
     fsd_rows: list[FsdConfig] = field(default_factory=list)  # one row per (divergence, T)
     also_tree: list[str] = field(default_factory=list)  # "TOTAL_TOKEN,DEPTH,TOP_K"
     also_hf_dtype: list[str] = field(default_factory=list)  # HF generate on a copy of the target in these dtypes
+    also_full_drafter: bool = False  # eagle-fsd again with a quantized drafter's original weights
 
 
 def parse_fsd(specs: list[str]) -> list[tuple[str, float]]:
@@ -90,12 +93,21 @@ def methods_for(model, job: BenchJob) -> dict:
     if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)
     methods["eagle-fsd"] = lambda ids: model.generate(ids, max_new_tokens=n, return_dict=True)
+    if job.also_full_drafter:  # the before of draft_quant: the same loop and tree, the drafter's original weights
+        methods["eagle-fsd drafter as loaded"] = full_drafter_method(model, n)
     for spec in job.also_tree:  # a fixed tree with the full draft vocabulary, no guard (e.g. the old default)
         methods[f"eagle-fsd tree {spec}"] = fixed_tree_method(model, spec, n)
     for fsd in job.fsd_rows:
         methods[f"fsd {fsd.divergence} T={fsd.threshold:g}"] = (lambda fsd: lambda ids: model.generate(
             ids, max_new_tokens=n, fsd=fsd, return_dict=True))(fsd)
     return methods
+
+
+def full_drafter_method(model, max_new_tokens: int):
+    def run(ids):
+        with original_weights(model.drafter.module):
+            return model.generate(ids, max_new_tokens=max_new_tokens, return_dict=True)
+    return run
 
 
 def fixed_tree_method(model, spec: str, max_new_tokens: int):
@@ -175,11 +187,18 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
     result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
               "dtype": str(model.base_model.dtype).replace("torch.", ""), "questions": len(ids_list),
               "max_new_tokens": settings.generation.max_new_tokens, "tree": [model.total_token, model.depth, model.top_k],
-              "threads": torch.get_num_threads(), "rows": rows}
+              "threads": torch.get_num_threads(), "device": device_name(model.base_model.device),
+              "draft_weights": f"int{quant_bits(model.drafter.module)}" if model.drafter is not None
+              and quant_bits(model.drafter.module) else "as loaded", "rows": rows}
     if model.tuning is not None:
         by_name = {r["method"]: r for r in rows}
         result["draft_vocab"] = model.tuning.shape[3] or "full"
-        result["predicted_speedup_over_plain"] = round(model.tuning.predicted_speedup, 3)
+        # the cost model's prediction for this workload: every prompt prefilled, then the new tokens (profile.py)
+        prompt_tokens = sum(int(ids.numel()) for ids in ids_list)
+        new_tokens = totals["eagle-fsd"]["tokens"] if "eagle-fsd" in totals else 0
+        result["predicted_speedup_over_plain_per_token"] = round(model.tuning.predicted_speedup, 3)
+        result["predicted_speedup_over_plain"] = round(model.tuning.workload_speedup(prompt_tokens, new_tokens), 3)
+        result["prompt_tokens"] = prompt_tokens
         result["speculate"] = model.tuning.speculate
         if "plain" in by_name:
             measured = by_name["eagle-fsd"]["tokens_per_s"] / by_name["plain"]["tokens_per_s"]
@@ -190,7 +209,8 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
 def print_table(result: dict) -> None:
     print(f"\n{result['model']} + {result['drafter']}, {result['dtype']}, {result['questions']} MT-Bench first turns, "
           f"{result['max_new_tokens']} new tokens, {result['threads']} threads, tree (total_token, depth, top_k) = "
-          f"{tuple(result['tree'])}, draft vocabulary {result.get('draft_vocab', 'full')}")
+          f"{tuple(result['tree'])}, draft vocabulary {result.get('draft_vocab', 'full')}, drafter weights "
+          f"{result['draft_weights']}, {result['device']}")
     print(f"{'method':<22}{'tok/s':>8}{'vs HF':>8}{'min q':>7}{'tau':>7}{'fuzzy':>7}{'same as HF':>12}")
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
@@ -198,8 +218,9 @@ def print_table(result: dict) -> None:
         print(f"{r['method']:<22}{r['tokens_per_s']:>8.2f}{r['speedup']:>7.2f}x{r['speedup_min_question']:>6.2f}x"
               f"{tau:>7}{fuzzy:>7}{r.get('identical_to_hf_generate', '-'):>12}")
     if "predicted_speedup_over_plain" in result:
-        print(f"cost model: predicted {result['predicted_speedup_over_plain']:.2f}x over plain, measured "
-              f"{result.get('measured_speedup_over_plain', float('nan')):.2f}x")
+        print(f"cost model: predicted {result['predicted_speedup_over_plain']:.2f}x over plain for these prompts and "
+              f"tokens ({result['predicted_speedup_over_plain_per_token']:.2f}x per new token, prefill aside), "
+              f"measured {result.get('measured_speedup_over_plain', float('nan')):.2f}x")
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
@@ -220,13 +241,16 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     p.add_argument("--also-hf-dtype", action="append", default=[], choices=("bf16", "fp16", "fp32"),
                    help="also time HF generate on a copy of the target in this dtype (repeatable)")
     add_fsd_args(p, threshold_flag=False, divergence_flag=False)  # --fsd-mode; --fsd gives divergences and T
+    p.add_argument("--also-full-drafter", action="store_true",
+                   help="with an int4 / int8 drafter (--draft-quant), also run eagle-fsd with the drafter's original "
+                        "weights, same tree: what quantizing it saves, in the same run")
     p.add_argument("--json", default=None, help="write the results here")
     add_threads_arg(p)
     args = p.parse_args(argv)
     settings = parse_settings(p, args)
     fsd_rows = [FsdConfig(t, name, settings.fsd.mode) for name, t in parse_fsd(args.fsd)]
     job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
-                   args.also_tree, args.also_hf_dtype)
+                   args.also_tree, args.also_hf_dtype, args.also_full_drafter)
     return job, args.json
 
 

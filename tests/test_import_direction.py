@@ -35,6 +35,7 @@ LAYER_OF = {
     "eagle_fsd.guard": "engine",
     "eagle_fsd.dtypes": "drafting",
     "eagle_fsd.prepack": "drafting",
+    "eagle_fsd.quant": "drafting",
     "eagle_fsd.tune": "engine",
     "eagle_fsd.tune.cli": "apps",  # `eagle-fsd tune`: its --mtbench analysis reads the MT-Bench questions
     "eagle_fsd.presets": "engine",

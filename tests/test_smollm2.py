@@ -9,6 +9,7 @@ from eagle_fsd import presets
 from eagle_fsd.attention import ATTENTION_NAME
 from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter, head_config
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.quant import MAX_QUANT_ROWS, quant_supported, quantize_linears
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,27 @@ def random_head(target):
     cfg._attn_implementation = ATTENTION_NAME
     torch.manual_seed(0)
     return EagleHead(cfg).eval()
+
+
+@pytest.mark.skipif(not quant_supported(4), reason="this PyTorch has no CPU int4 weight-only kernel")
+def test_int4_drafter_is_lossless_on_real_weights(smollm2):
+    """An int4 copy of the 4-layer real-weights drafter (prefill with its original weights, tree levels rounded):
+    still exactly the fp32 target's greedy output."""
+    target, _, tok = smollm2
+    draft = AutoModelForCausalLM.from_pretrained(presets.resolve_model("smollm2-135m-instruct"), dtype=torch.float32,
+                                                 num_hidden_layers=4, attn_implementation=ATTENTION_NAME).eval()
+    assert quantize_linears(draft, 4) == 4 * 7 + 1  # every projection and the lm_head
+    rounded_calls = []
+    draft.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda layer, args, out: rounded_calls.append(args[0].reshape(-1, layer.in_features).shape[0]
+                                                      <= MAX_QUANT_ROWS))
+    for shape in ((10, 1, 8), (7, 6, 1)):
+        model = EaFsdModel(target, tok, LMDrafter(draft, target.config.vocab_size), *shape)
+        ids = encode(tok, PROMPTS[0])
+        reference = target.generate(ids, do_sample=False, max_new_tokens=48)
+        out = model.generate(ids, max_new_tokens=48, return_dict=True)
+        assert torch.equal(out.sequences, reference), tok.decode(out.sequences[0, ids.shape[1]:])
+    assert any(rounded_calls) and not all(rounded_calls)  # tree levels ran int4, prefills the original weights
 
 
 @pytest.mark.parametrize("drafter_kind,shape", [

@@ -57,6 +57,22 @@ def test_profile_json_round_trip_and_plain_verdict():
     assert not tuning.speculate and tuning.predicted_speedup == pytest.approx(1.2 * 30 / 90)
 
 
+def test_workload_speedup_adds_the_prefills():
+    """(P t_prefill + N t_plain) / (P (t_prefill + t_draft_prefill) + N t_step / tau), written out; with no prompt
+    it is the per-token prediction, and the drafter's prefill only ever lowers it."""
+    profile = synthetic_profile(2)
+    profile.prefill_ms, profile.draft_prefill_ms = 3.0, 1.0
+    shape, per_token = tune.choose_shape(profile)
+    step = profile.step_ms(shape)
+    want = (150 * 3.0 + 128 * 32.0) / (150 * 4.0 + 128 * step / profile.tau[shape])
+    assert profile.workload_speedup(shape, 150, 128) == pytest.approx(want)
+    assert profile.workload_speedup(shape, 0, 128) == pytest.approx(per_token)
+    tuning = tune.tuning_from(profile, {})
+    assert tuning.workload_speedup(150, 128) == pytest.approx(want)
+    profile.draft_prefill_ms = 0.0
+    assert profile.workload_speedup(shape, 150, 128) > want
+
+
 # ----------------------------------------------------------------------------- replay
 def random_pool(k, levels, vocab_size, gen):
     """A pool grown by grow_pool from random draft logits (a stand-in drafter)."""
@@ -160,6 +176,7 @@ def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
     tuning = tune.autotune(model, "tiny-target", "tiny-hopeless", auto=["total_token", "depth", "top_k"],
                            fixed={}, progress=False, settings=settings)
     assert not tuning.speculate and tuning.predicted_speedup < 1
+    assert tuning.prefill_ms > 0 and tuning.draft_prefill_ms > 0  # both prefills timed per prompt token
     assert list(tmp_path.glob("tune/*.json"))  # cached as readable JSON
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)

@@ -12,7 +12,8 @@ def main(argv=None) -> int:
     import argparse
 
     from eagle_fsd.model import EaFsdModel
-    from eagle_fsd.settings import add_prepack_arg, torch_dtype
+    from eagle_fsd.quant import quant_bits
+    from eagle_fsd.settings import add_kernel_args, torch_dtype
 
     p = argparse.ArgumentParser(prog="eagle-fsd tune", description="measure the speculation cost model on this "
                                 "machine, print the predicted speedup of each tree shape and cache the profile")
@@ -20,7 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default=None, help="LM drafter (preset, dir or hub id); default: the preset's")
     p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
-    add_prepack_arg(p)
+    add_kernel_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--top", type=int, default=8, help="print the N best shapes")
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     dtype = torch_dtype(args.dtype)
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
                                        dtype=dtype, total_token=1, depth=1, top_k=1,  # the tree is measured below
-                                       prepack=args.prepack)
+                                       prepack=args.prepack, draft_quant=args.draft_quant)
     if model.drafter is None:
         raise ValueError(f"{args.model!r} has no default drafter: pass --drafter or --ea-model-path")
     settings = None
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
         drafter_name = presets.shipped_head(args.model) or presets.default_drafter(args.model)
     profile, path = load_or_measure(model, args.model, drafter_name, refresh=args.refresh, settings=settings)
     print(f"cost profile: {path}")
+    bits = quant_bits(model.drafter.module)
+    print(f"drafter weights: {f'int{bits}' if bits else 'as loaded'} (--draft-quant)")
     print(format_profile(profile, args.top))
     if args.plot:
         plot_cost_curves({f"{args.model} ({str(model.base_model.dtype).replace('torch.', '')})": profile}, args.plot)
@@ -92,7 +95,8 @@ def format_profile(profile: CostProfile, top: int = 8) -> str:
              f"t_plain {profile.plain_ms:.1f} ms/token, t_verify(1) {base:.1f} ms; draft level (k, vocab) "
              + ", ".join(f"({k}, {v or 'full'}): {t:.1f}" for (k, v), t in sorted(profile.level_ms.items()))
              + " ms; catch-up " + ", ".join(f"{v or 'full'}: {t:.1f}" for v, t in sorted(profile.extend_ms.items()))
-             + f" ms; engine overhead {profile.overhead_ms:.1f} ms/step",
+             + f" ms; engine overhead {profile.overhead_ms:.1f} ms/step; prefill per prompt token {profile.prefill_ms:.2f} ms"
+             + f" (drafter {profile.draft_prefill_ms:.2f} ms)",
              f"{'total_token':>11} {'depth':>5} {'top_k':>5} {'vocab':>6} {'tau':>6} {'step ms':>8} {'speedup':>8}"]
     ranked = sorted(profile.tau, key=profile.speedup, reverse=True)[:top]
     for s in ranked:

@@ -1,5 +1,6 @@
 """dtype "auto": bf16 on CUDA; on CPU bf16 only where it is native and measures faster on the model's own shape.
-prepack "auto": oneDNN-packed bf16 linear weights on CPU where oneDNN supports them and they measure faster."""
+prepack "auto": oneDNN-packed bf16 linear weights on CPU where oneDNN supports them and they measure faster.
+draft_quant "auto": an LM drafter on CPU drafts with int4 weights where that kernel measures faster (eagle_fsd.quant)."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.prepack import pack_weight, packed_linear, prepack_supported
+from eagle_fsd.quant import QuantLinear, quant_supported
 from eagle_fsd.tune.measure import timed_rounds
 
 
@@ -29,10 +31,11 @@ def native_bf16(flags: set[str] | None = None) -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
-def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> dict[str, float]:
-    """Time of the MLP up-projection (hidden -> intermediate) over 1, 4 and 8 rows together (plain steps and small
-    trees) for each kind of kernel ("fp32", "bf16", "bf16-packed"), timed round-robin. The weights rotate over
-    copies totalling 128 MB in fp32, so they come from memory, as in a decode step, not from cache."""
+def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8)) -> dict[str, float]:
+    """Time of the MLP up-projection (hidden -> intermediate) over `rows` rows together (plain steps and small
+    trees) for each kind of kernel ("fp32", "bf16", "bf16-packed"; "int4" / "int4-fp32": int4 weights with bf16 /
+    fp32 activations), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so they come from
+    memory, as in a decode step, not from cache."""
     copies = max(1, math.ceil(128 * 2**20 / (hidden * intermediate * 4)))
     weights32 = [torch.randn(intermediate, hidden) for _ in range(copies)]
     weights = {"fp32": weights32}
@@ -40,14 +43,20 @@ def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> dic
         weights["bf16"] = [w.bfloat16() for w in weights32]
     if "bf16-packed" in kinds:
         weights["bf16-packed"] = [pack_weight(w) for w in weights["bf16"]]
+    if "int4" in kinds:
+        weights["int4"] = [QuantLinear.from_weight(w.bfloat16(), None, 4) for w in weights32]
+    if "int4-fp32" in kinds:
+        weights["int4-fp32"] = [QuantLinear.from_weight(w, None, 4) for w in weights32]
     kernels = {"fp32": torch.nn.functional.linear, "bf16": torch.nn.functional.linear,
-               "bf16-packed": lambda x, w: packed_linear(x, w, None)}
+               "bf16-packed": lambda x, w: packed_linear(x, w, None), "int4": lambda x, layer: layer(x),
+               "int4-fp32": lambda x, layer: layer(x)}
     fns = {}
-    for rows in (1, 4, 8):
-        x32 = torch.randn(rows, hidden)
-        inputs = {"fp32": x32, "bf16": x32.bfloat16(), "bf16-packed": x32.bfloat16()}
+    for n in rows:
+        x32 = torch.randn(n, hidden)
+        inputs = {"fp32": x32, "bf16": x32.bfloat16(), "bf16-packed": x32.bfloat16(), "int4": x32.bfloat16(),
+                  "int4-fp32": x32}
         for kind in kinds:
-            fns[(kind, rows)] = lambda f=kernels[kind], x=inputs[kind], ws=weights[kind]: [f(x, w) for w in ws]
+            fns[(kind, n)] = lambda f=kernels[kind], x=inputs[kind], ws=weights[kind]: [f(x, w) for w in ws]
     timed = timed_rounds(fns, rounds=9)
     return {kind: sum(t for (name, _), t in timed.items() if name == kind) for kind in kinds}
 
@@ -106,3 +115,51 @@ def resolve_prepack(prepack, model) -> bool:
         return supported
     config = model.config
     return prepack_measures_faster(config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))
+
+
+DRAFT_QUANT = {"off": 0, "int4": 4, "int8": 8}
+
+
+def resolve_draft_quant(draft_quant, drafter) -> int:
+    """Bits of the drafter's weights (0: as loaded) for draft_quant "auto", "int4", "int8" or "off". "auto": int4
+    for an LM drafter on the CPU where the kernel exists and measures faster than the drafter's own kernel on its MLP
+    shape; EAGLE heads stay as they are (small, and their lm_head is the target's)."""
+    if draft_quant != "auto" and draft_quant not in DRAFT_QUANT:
+        raise ValueError(f"draft_quant={draft_quant!r}: use 'auto', 'int4', 'int8' or 'off'")
+    if drafter is None or draft_quant == "off":
+        return 0
+    module = drafter.module
+    device = next(module.parameters()).device
+    if draft_quant != "auto":
+        bits = DRAFT_QUANT[draft_quant]
+        if not quant_supported(bits, device):
+            raise ValueError(f"draft_quant {draft_quant} needs a drafter on the CPU and PyTorch's CPU int{bits} "
+                             f"weight-only kernel; this drafter is on {device} (PyTorch {torch.__version__}). "
+                             "Use draft_quant 'auto' or 'off'")
+        return bits
+    from eagle_fsd.drafters import LMDrafter
+
+    if not isinstance(drafter, LMDrafter) or not quant_supported(4, device):
+        return 0
+    config = module.config
+    return 4 if int4_measures_faster(config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),
+                                     bf16_kind(module)) else 0
+
+
+def bf16_kind(module) -> str:
+    """The kernel kind (`mlp_kernel_ms`) the module's linear layers run now."""
+    from eagle_fsd.prepack import is_prepacked
+
+    dtype = next(module.parameters()).dtype
+    if dtype != torch.bfloat16:
+        return "fp32"
+    return "bf16-packed" if is_prepacked(module) else "bf16"
+
+
+@functools.lru_cache(maxsize=None)
+def int4_measures_faster(hidden: int, intermediate: int, current: str) -> bool:
+    """int4 weights against the `current` kernel kind on the drafter's MLP shape (`mlp_kernel_ms`), activations
+    in the drafter's dtype, over the few rows that int4 serves (eagle_fsd.quant.MAX_QUANT_ROWS)."""
+    int4 = "int4-fp32" if current == "fp32" else "int4"
+    ms = mlp_kernel_ms(hidden, intermediate, (current, int4), rows=(1, 2, 4))  # a draft level's nodes
+    return ms[int4] < ms[current]

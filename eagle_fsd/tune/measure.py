@@ -227,7 +227,31 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
     profile = CostProfile(verify_ms, level_ms, extend_ms, 0.0, plain_ms, tau, by_depth,
                           rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)])
     profile.overhead_ms = measure_overhead(model, ids[0], profile, settings.new_tokens, vocabs)
+    with torch.no_grad():
+        profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds)
     return profile
+
+
+def measure_prefill(model, prompt: torch.Tensor, rounds: int) -> tuple[float, float]:
+    """ms per prompt token of the target's prefill (forward from an empty cache, lm_head on the last position)
+    and of the drafter's (over the same prompt, from the target's features), timed round-robin."""
+    target, drafter = model.base_model, model.drafter
+    ids = prompt.to(target.device)
+    n = ids.numel()
+    hidden = target_hidden(model, ids)
+    lm_head = target.get_output_embeddings()
+
+    def target_prefill():
+        cache = TreeCache(target.config.num_hidden_layers, n)
+        lm_head(decoder_forward(target, ids, cache, causal_mask(0, n, target.device),
+                                torch.arange(n, device=target.device), model.attention)[-1:])
+
+    def draft_prefill():
+        drafter.reset(n + 1)
+        drafter.prefill(ids[:-1], ids[-1], hidden[:-1])
+
+    timed = timed_rounds({"target": target_prefill, "drafter": draft_prefill}, rounds)
+    return timed["target"] / n, timed["drafter"] / n
 
 
 def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_tokens: int, vocabs: dict) -> float:

@@ -2,6 +2,11 @@
 
     t_step(n, d, k, v) = t_verify(n) + d * t_level(k, v) + t_extend(v) + t_overhead
     speedup(n, d, k, v) = E[a + 1 | n, d, k, v] * t_plain / t_step(n, d, k, v)
+
+and for a whole generation of N new tokens after a prompt of P tokens (both decoders prefill the target; speculation
+also prefills the drafter):
+
+    speedup(shape; P, N) = (P t_prefill + N t_plain) / (P (t_prefill + t_draft_prefill) + N t_step(shape) / E[a + 1])
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ class CostProfile:
     tau: dict[Shape, float]                     # (n, d, k, v) -> E[a + 1], from the replay
     acceptance_by_depth: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (k, v) -> P(d | d-1)
     rank_histogram: list[float] = field(default_factory=list)  # P(target's token is the drafter's r-th choice)
+    prefill_ms: float = 0.0                     # per prompt token: the target's prefill
+    draft_prefill_ms: float = 0.0               # per prompt token: the drafter's prefill
 
     def step_ms(self, shape: Shape) -> float:
         n, d, k, v = shape
@@ -30,6 +37,11 @@ class CostProfile:
 
     def speedup(self, shape: Shape) -> float:
         return self.tau[shape] * self.plain_ms / self.step_ms(shape)
+
+    def workload_speedup(self, shape: Shape, prompt_tokens: float, new_tokens: float) -> float:
+        """Whole generations: prompt and new tokens summed over them (see the module docstring)."""
+        return workload_speedup(self.prefill_ms, self.draft_prefill_ms, self.plain_ms,
+                                self.step_ms(shape) / self.tau[shape], prompt_tokens, new_tokens)
 
     def to_json(self) -> dict:
         def keyed(d):
@@ -67,6 +79,13 @@ def choose_shape(profile: CostProfile, total_token: int | None = None, depth: in
     return best, profile.speedup(best)
 
 
+def workload_speedup(prefill_ms: float, draft_prefill_ms: float, plain_ms: float, spec_ms: float,
+                     prompt_tokens: float, new_tokens: float) -> float:
+    """(P t_prefill + N t_plain) / (P (t_prefill + t_draft_prefill) + N t_spec), t_spec = t_step / E[a + 1]."""
+    plain = prompt_tokens * prefill_ms + new_tokens * plain_ms
+    return plain / (prompt_tokens * (prefill_ms + draft_prefill_ms) + new_tokens * spec_ms)
+
+
 @dataclass
 class Tuning:
     """What the engine uses: the chosen shape, whether to speculate at all, and the plain rate for the guard."""
@@ -77,12 +96,21 @@ class Tuning:
     verify_ms: dict[int, float]
     speculate: bool
     path: str = ""
+    spec_ms: float = 0.0                   # t_step / E[a + 1] of the shape: ms per token while speculating
+    prefill_ms: float = 0.0                # per prompt token, target and drafter (CostProfile)
+    draft_prefill_ms: float = 0.0
+
+    def workload_speedup(self, prompt_tokens: float, new_tokens: float) -> float:
+        """The predicted speedup over plain decoding of whole generations (prompt and new tokens summed)."""
+        return workload_speedup(self.prefill_ms, self.draft_prefill_ms, self.plain_ms, self.spec_ms, prompt_tokens,
+                                new_tokens)
 
 
 def tuning_from(profile: CostProfile, fixed: dict, path: str = "") -> Tuning:
     shape, speedup = choose_shape(profile, **fixed)
     return Tuning(tuple(shape), speedup, profile.plain_ms, dict(profile.verify_ms), speculate=speedup > 1.0,
-                  path=path)
+                  path=path, spec_ms=profile.step_ms(shape) / profile.tau[shape], prefill_ms=profile.prefill_ms,
+                  draft_prefill_ms=profile.draft_prefill_ms)
 
 
 def describe(tuning: Tuning) -> str:

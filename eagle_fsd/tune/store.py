@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.prepack import is_prepacked
+from eagle_fsd.quant import quant_bits
 from eagle_fsd.tune.measure import TuneSettings, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 
-TUNE_VERSION = 3
+TUNE_VERSION = 4
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
@@ -24,6 +25,8 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
            "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
     if is_prepacked(target):
         key["prepacked"] = True
+    if model.drafter is not None and quant_bits(model.drafter.module):
+        key["draft_bits"] = quant_bits(model.drafter.module)
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key

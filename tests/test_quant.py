@@ -1,0 +1,162 @@
+"""int4 / int8 drafting weights: the kernel computes x deq(W)^T + b, the rounding stays within its grid, swapped in
+place, and decoding with a quantized drafter is still exactly the target's greedy output."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_fsd.drafters import EagleDrafter, LMDrafter
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.prepack import PackedLinear, prepack_linears, prepack_supported, unpacked
+from eagle_fsd.quant import (INT4_GROUP, MAX_QUANT_ROWS, QuantLinear, dequantize, int4_fits, original_weights,
+                             quant_bits, quant_supported, quantize_linears)
+from eagle_fsd.tune import dtype as tune_dtype
+from eagle_fsd.tune import resolve_draft_quant
+from tiny import hf_greedy, tiny_model
+
+needs = {bits: pytest.mark.skipif(not quant_supported(bits), reason=f"this PyTorch has no CPU int{bits} kernel")
+         for bits in (4, 8)}
+BITS = [pytest.param(4, marks=needs[4]), pytest.param(8, marks=needs[8])]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead", [(3,), (1, MAX_QUANT_ROWS), (2, 2)])
+def test_quant_linear_is_linear_of_the_dequantized_weight(bits, dtype, lead):
+    g = torch.Generator().manual_seed(bits + len(lead))
+    linear = nn.Linear(96, 48, bias=True).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 96, generator=g) * 0.05)
+        linear.bias.copy_(torch.randn(48, generator=g))
+    layer = QuantLinear.from_linear(linear, bits)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    x = torch.randn(*lead, 96, generator=g).to(dtype)
+    deq = dequantize(layer).double()
+    want = F.linear(x.double(), deq, linear.bias.double())
+    got = layer(x)
+    assert got.shape == (*lead, 48) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not prepack_supported(torch.bfloat16, "cpu"), reason="oneDNN has no bf16 support on this CPU"))])
+def test_many_rows_use_the_original_weight(bits, packed):
+    """Past MAX_QUANT_ROWS rows (a prefill) the layer is the original linear, prepacked or plain."""
+    g = torch.Generator().manual_seed(11)
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    source = PackedLinear.from_linear(linear) if packed else linear
+    layer = QuantLinear.from_linear(source, bits)
+    assert (layer.packed is not None) == packed
+    x = torch.randn(2, MAX_QUANT_ROWS, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), source(x))
+        assert not torch.equal(layer(x[0]), source(x[0]))  # few rows: the rounded weight
+        with original_weights(layer):
+            assert torch.equal(layer(x[0]), source(x[0]))  # ... unless told to run the original
+        assert layer.use_quant
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_rounding_stays_on_its_grid(bits):
+    """|w - deq(w)| <= half a step: s / 2 with s = (max - min) / 15 per group (int4), max|w| / 127 per row (int8)."""
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(7))
+    layer = QuantLinear.from_weight(w, None, bits)
+    err = (w - dequantize(layer)).abs()
+    if bits == 4:
+        groups = w.reshape(32, -1, INT4_GROUP)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(INT4_GROUP, dim=1)
+    else:
+        step = (w.abs().amax(1, keepdim=True) / 127).expand_as(w)
+    assert (err <= step / 2 + 1e-6).all()
+    assert err.max() > 0  # it did round
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_linears_swaps_in_place_and_keeps_the_weights(bits):
+    model = tiny_model("qwen2", vocab=1000, seed=2, tie_word_embeddings=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    fits = [m for m in linears if bits == 8 or int4_fits(m.out_features, m.in_features)]
+    assert quantize_linears(model, bits) == len(fits) and quant_bits(model) == bits
+    if bits == 4:  # 1000 output rows are not a multiple of 16: the lm_head stays a plain linear
+        assert type(model.lm_head) is nn.Linear
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_unpacked_block_runs_the_plain_weights(bits):
+    plain = tiny_model("llama", vocab=1024, seed=4)
+    quantized = tiny_model("llama", vocab=1024, seed=4)
+    quantize_linears(quantized, bits)
+    ids = torch.randint(0, 1024, (1, MAX_QUANT_ROWS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = plain(ids).logits
+        assert not torch.equal(quantized(ids).logits, want)
+        with unpacked(quantized):
+            assert torch.equal(quantized(ids).logits, want)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])
+def test_quantized_drafter_is_lossless(bits, shape):
+    """Greedy with an int4 / int8 LM drafter (fp32 target, reduced draft vocabulary scored by a quantized slice of
+    the drafter's lm_head; its prefill runs the original weights, its tree levels the rounded ones) equals the
+    target's own greedy output through HF generate."""
+    target, draft = tiny_model("llama", vocab=1024, seed=1), tiny_model("llama", vocab=1024, seed=1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.003 * torch.randn_like(p))
+    quantize_linears(draft, bits)
+    drafter = LMDrafter(draft, 1024)
+    ids_kept = torch.arange(0, 1024, 2)
+    drafter.draft_head.set_draft_vocab(ids_kept)
+    assert drafter.draft_head.quant is not None and drafter.draft_head.quant.bits == bits
+    h = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # the slice scores the kept ids as the quantized full head would
+        full = F.linear(h.double(), dequantize(draft.lm_head).double())[:, ids_kept]
+        assert torch.allclose(drafter.draft_head(h).double(), full, atol=1e-4 * full.abs().max().item())
+    ids = torch.randint(0, 1024, (1, 10), generator=torch.Generator().manual_seed(3))
+    model = EaFsdModel(target, None, drafter, *shape)
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 30))
+    assert out.tau > 1.2  # the noisy, rounded drafter still drafts the target's tokens
+
+
+def test_resolve_draft_quant_rules(monkeypatch):
+    lm = LMDrafter(tiny_model("llama", vocab=1024, seed=1), 1024)
+    with pytest.raises(ValueError, match="draft_quant='int3'"):
+        resolve_draft_quant("int3", lm)
+    assert resolve_draft_quant("off", lm) == 0 and resolve_draft_quant("auto", None) == 0
+    eagle = EagleDrafter.__new__(EagleDrafter)
+    eagle.head = nn.Linear(4, 4)
+    assert resolve_draft_quant("auto", eagle) == 0  # EAGLE heads stay as loaded
+    monkeypatch.setattr(tune_dtype, "int4_measures_faster", lambda *a: True)
+    assert resolve_draft_quant("auto", lm) == (4 if quant_supported(4) else 0)
+    monkeypatch.setattr(tune_dtype, "int4_measures_faster", lambda *a: False)
+    assert resolve_draft_quant("auto", lm) == 0
+    monkeypatch.setattr(tune_dtype, "quant_supported", lambda bits, device="cpu": False)
+    assert resolve_draft_quant("auto", lm) == 0
+    with pytest.raises(ValueError, match="draft_quant int8 needs a drafter on the CPU"):
+        resolve_draft_quant("int8", lm)
+
+
+@pytest.mark.skipif(not (quant_supported(4) and prepack_supported(torch.bfloat16, "cpu")),
+                    reason="needs the int4 kernel and oneDNN bf16")
+def test_int4_replaces_a_prepacked_drafter():
+    draft = tiny_model("llama", vocab=1024, seed=1).to(torch.bfloat16)
+    prepack_linears(draft)
+    assert tune_dtype.bf16_kind(draft) == "bf16-packed"
+    quantize_linears(draft, 4)
+    assert quant_bits(draft) == 4 and isinstance(draft.lm_head, QuantLinear)
+
+
+@needs[4]
+def test_kernel_timing_has_int4_kinds():
+    """dtype/draft_quant "auto" time int4 with the activations the drafter will feed it (bf16 or fp32)."""
+    ms = tune_dtype.mlp_kernel_ms(256, 1024, ("bf16", "int4", "int4-fp32"), rows=(1, 2))
+    assert set(ms) == {"bf16", "int4", "int4-fp32"} and all(t > 0 for t in ms.values())
