@@ -31,3 +31,19 @@ def test_help_and_unknown_command():
     assert eagle_fsd("--help").returncode == 0
     r = eagle_fsd("nope")
     assert r.returncode == 2 and "commands:" in r.stdout
+
+
+def test_output_agreement_says_where_and_why():
+    import torch
+
+    from eagle_fsd.cli import output_agreement
+
+    ref = torch.tensor([[7, 7, 1, 2, 3, 4]])  # a 2-token prompt, then 4 new tokens
+    other = torch.tensor([[7, 7, 1, 2, 9, 4]])
+    assert output_agreement(ref, ref.clone(), 2, torch.bfloat16, False) == "identical output"
+    bf16 = output_agreement(ref, other, 2, torch.bfloat16, False)
+    assert bf16.startswith("output differs from new token 3 on") and "--dtype fp32" in bf16
+    assert "unexpected" in output_agreement(ref, other, 2, torch.float32, False)
+    assert "by chance" in output_agreement(ref, other, 2, torch.float32, True)
+    assert "FSD" in output_agreement(ref, other, 2, torch.bfloat16, False, fuzzy=True)
+    assert "new token 4 on" in output_agreement(ref, ref[:, :-1], 2, torch.bfloat16, False)  # one stopped early
