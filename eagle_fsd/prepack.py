@@ -82,11 +82,18 @@ def is_prepacked(model: nn.Module) -> bool:
 def unpacked(*models: nn.Module):
     """Within the block the PackedLinear layers of `models` (and the int4 / int8 drafting layers of eagle_fsd.quant,
     which share the flag) run the plain `F.linear` kernel on their own weights."""
-    layers = [m for model in models if model is not None for m in model.modules() if hasattr(m, "use_packed")]
+    with switched_off("use_packed", *models):
+        yield
+
+
+@contextlib.contextmanager
+def switched_off(flag: str, *models: nn.Module):
+    """Within the block the layers of `models` that have the boolean `flag` hold it False."""
+    layers = [m for model in models if model is not None for m in model.modules() if hasattr(m, flag)]
     for layer in layers:
-        layer.use_packed = False
+        setattr(layer, flag, False)
     try:
         yield
     finally:
         for layer in layers:
-            layer.use_packed = True
+            setattr(layer, flag, True)

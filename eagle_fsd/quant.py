@@ -22,11 +22,11 @@ import contextlib
 import torch
 from torch import nn
 
-from eagle_fsd.prepack import PackedLinear, packed_linear
+from eagle_fsd.prepack import PackedLinear, packed_linear, switched_off
 
 BITS = (4, 8)
 MAX_QUANT_ROWS = 4  # more rows than this: the original weight's kernel
-INT4_GROUP = 32  # small groups: the Qwen drafters ship as GGUF Q4_K (32-column blocks), which this grid nearly holds
+INT4_GROUP = 32  # columns per int4 scale and offset: the smallest group the kernel takes (finest rounding)
 
 
 def quant_supported(bits: int, device: torch.device | str = "cpu") -> bool:
@@ -39,16 +39,16 @@ def quant_supported(bits: int, device: torch.device | str = "cpu") -> bool:
     return bits == 8 and hasattr(ops, "_weight_int8pack_mm")
 
 
-def int4_fits(out_features: int, in_features: int, group: int = INT4_GROUP) -> bool:
+def int4_fits(out_features: int, in_features: int) -> bool:
     """The int4 CPU kernel's shape rules: output rows in multiples of 16, input columns in whole groups."""
-    return out_features % 16 == 0 and in_features % group == 0
+    return out_features % 16 == 0 and in_features % INT4_GROUP == 0
 
 
-def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed q, scales and offsets [in / group, out, 2]) of W (out, in); see the module docstring."""
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed q, scales and offsets [in / INT4_GROUP, out, 2]) of W (out, in); see the module docstring."""
     w = weight.detach().float()
     out_f, in_f = w.shape
-    grouped = w.reshape(out_f, in_f // group, group)
+    grouped = w.reshape(out_f, in_f // INT4_GROUP, INT4_GROUP)
     low, high = grouped.amin(-1), grouped.amax(-1)
     scale = (high - low).clamp(min=1e-8) / 15
     q = ((grouped - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
@@ -145,11 +145,5 @@ def quant_bits(model: nn.Module) -> int:
 def original_weights(*models: nn.Module):
     """Within the block the QuantLinear layers of `models` multiply by their original weights (prepacked where they
     were): the drafter as loaded, e.g. to time what int4 drafting saves in the same run."""
-    layers = [m for model in models if model is not None for m in model.modules() if isinstance(m, QuantLinear)]
-    for layer in layers:
-        layer.use_quant = False
-    try:
+    with switched_off("use_quant", *models):
         yield
-    finally:
-        for layer in layers:
-            layer.use_quant = True

@@ -19,9 +19,9 @@ the replay is exact, and one pool per top_k serves every depth and size). `choos
 is below 1 the engine decodes plainly. Profiles are cached as JSON per model, drafter, device, dtype and threads.
 
 Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
-(timing the terms, TuneSettings), store (the JSON cache, autotune / apply_tuning), dtype (dtype, prepack and draft_quant "auto"), cli
-(`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other public names are
-re-exported here.
+(timing the terms, TuneSettings), store (the JSON cache, autotune / apply_tuning), dtype (dtype, prepack and
+draft_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other
+public names are re-exported here.
 """
 from eagle_fsd.tune.dtype import (bf16_measures_faster, cpu_flags, native_bf16, prepack_measures_faster,
                                   resolve_draft_quant, resolve_dtype, resolve_prepack)
@@ -36,6 +36,5 @@ __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "
            "TuneSettings", "Tuning", "accepted_lengths", "accepted_path", "apply_tuning", "autotune",
            "bf16_measures_faster", "cache_key", "cache_path", "calibration_prompts", "choose_shape", "cpu_flags",
            "cut_to_vocab", "describe", "device_name", "load_or_measure", "measure",
-           "measure_costs", "measure_overhead", "native_bf16", "prepack_measures_faster", "replay", "resolve_draft_quant", "resolve_dtype",
-           "resolve_prepack",
-           "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]
+           "measure_costs", "measure_overhead", "native_bf16", "prepack_measures_faster", "replay",
+           "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]
