@@ -170,12 +170,15 @@ class DraftHead:
         self.bias = None if bias is None else bias.detach()[ids].contiguous()
         self.packed = pack_weight(self.weight) if isinstance(self.lm_head, PackedLinear) else None
         bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
-        self.quant = (QuantLinear.from_weight(self.weight, self.bias, bits)
-                      if bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)) else None)
+        self.quant = None
+        if bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)):
+            self.quant = QuantLinear.from_weight(self.weight, self.bias, bits)
+            self.quant.packed = pack_weight(self.weight) if self.lm_head.packed is not None else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:
-            if self.quant is not None:
+            if self.quant is not None:  # the slice runs as the full head is told to (unpacked, original_weights)
+                self.quant.use_packed, self.quant.use_quant = self.lm_head.use_packed, self.lm_head.use_quant
                 return self.quant(hidden)
             if self.packed is not None and self.lm_head.use_packed:
                 return packed_linear(hidden, self.packed, self.bias)

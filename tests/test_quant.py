@@ -120,6 +120,8 @@ def test_quantized_drafter_is_lossless(bits, shape):
     with torch.no_grad():  # the slice scores the kept ids as the quantized full head would
         full = F.linear(h.double(), dequantize(draft.lm_head).double())[:, ids_kept]
         assert torch.allclose(drafter.draft_head(h).double(), full, atol=1e-4 * full.abs().max().item())
+        with original_weights(draft):  # the slice follows the full head back to the original weights
+            assert torch.equal(drafter.draft_head(h), F.linear(h, draft.lm_head.weight[ids_kept]))
     ids = torch.randint(0, 1024, (1, 10), generator=torch.Generator().manual_seed(3))
     model = EaFsdModel(target, None, drafter, *shape)
     out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
