@@ -52,8 +52,9 @@ def run_main(argv=None) -> int:
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
     if is_prepacked(model.base_model):
         print("bf16 linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
-    if model.drafter is not None and quant_bits(model.drafter.module):
-        print(f"drafter weights in int{quant_bits(model.drafter.module)} (verification keeps the target's; "
+    draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
+    if draft_bits:
+        print(f"drafter weights in int{draft_bits} (verification keeps the target's; "
               "--draft-quant off: as loaded)")
     ids = PromptFormat(tok, settings.model.conv_template).encode([{"role": "user", "content": args.prompt}])
     ids = ids.to(model.base_model.device)

@@ -184,12 +184,12 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
     from eagle_fsd.presets import drafter_label
 
     m = settings.model
+    draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
     result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
               "dtype": str(model.base_model.dtype).replace("torch.", ""), "questions": len(ids_list),
               "max_new_tokens": settings.generation.max_new_tokens, "tree": [model.total_token, model.depth, model.top_k],
               "threads": torch.get_num_threads(), "device": device_name(model.base_model.device),
-              "draft_weights": f"int{quant_bits(model.drafter.module)}" if model.drafter is not None
-              and quant_bits(model.drafter.module) else "as loaded", "rows": rows}
+              "draft_weights": f"int{draft_bits}" if draft_bits else "as loaded", "rows": rows}
     if model.tuning is not None:
         by_name = {r["method"]: r for r in rows}
         result["draft_vocab"] = model.tuning.shape[3] or "full"
