@@ -51,7 +51,8 @@ def run_main(argv=None) -> int:
 
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
     if is_prepacked(model.base_model):
-        print("bf16 linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
+        dtype = str(model.base_model.dtype).replace("torch.", "")
+        print(f"{dtype} linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
     draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
     if draft_bits:
         print(f"drafter weights in int{draft_bits} (verification keeps the target's; "

@@ -140,8 +140,8 @@ class EaFsdModel(torch.nn.Module):
         fastest on this machine (eagle_fsd.tune; measured once, cached), with plain decoding when nothing pays.
         Unset: "auto" for a preset, else EAGLE's defaults (60, 5, 10).
         dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32.
-        prepack "auto": on CPU in bf16, the linear weights of target and drafter packed once for oneDNN
-        (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
+        prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed once
+        for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
         draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
         measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless."""
         from eagle_fsd import presets

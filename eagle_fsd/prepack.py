@@ -1,9 +1,15 @@
-"""Linear layers with weights packed once for oneDNN (CPU, bf16).
+"""Linear layers with weights packed once for oneDNN (CPU, fp32 or bf16).
 
 `F.linear` on a bf16 CPU tensor hands the weight to oneDNN in its plain row-major layout, and oneDNN reorders it
 into its blocked layout on every call. For the few rows of a decode or verification step that reorder is a large
 share of the matmul. Reordering once at load time (what Inductor's weight freezing does) removes it: y = x W^T + b,
 the same product and the same kernel, with the weight already in the layout the kernel reads.
+
+In fp32, `F.linear` goes to MKL's sgemm instead, whose few-row path is slow on AMD CPUs: on a 2-vCPU AMD EPYC,
+1536 -> 8960 took 3.7 / 7.7 / 8.7 ms at 1 / 4 / 8 rows with MKL and 2.6 / 2.4 / 2.5 ms with oneDNN's packed kernel
+(benchmarks/prepack_probes/fp32_linear.py); on the Intel Xeon of earlier figures MKL won at 1 row. So packing is
+chosen by measurement ("auto", eagle_fsd.tune.dtype). fp32 packed results equal `F.linear`'s up to the order of the
+fp32 sums (relative 1e-6), not bit for bit.
 
 `prepack_linears(model)` swaps every `nn.Linear` of a module tree for a `PackedLinear` that shares its weight and bias
 (state_dict, `.weight` and tied embeddings are unchanged) and keeps a packed copy beside them (one more copy of the
@@ -19,13 +25,15 @@ from torch import nn
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """oneDNN can pack this: a CPU model in bf16 on a CPU with bf16 support in oneDNN (AVX-512 BF16 or AMX)."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """oneDNN can pack this: a CPU model in fp32, or in bf16 on a CPU where oneDNN supports bf16 (AVX-512 BF16 or
+    AMX)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     ops = torch.ops.mkldnn
-    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
         return False
-    return bool(ops._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or bool(ops._is_mkldnn_bf16_supported())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ class ModelSettings:
     """What to load. drafter: an LM sharing the tokenizer or an EAGLE head directory (None: the preset's own);
     ea_model_path: an EAGLE-1/2 or EAGLE-3 head; conv_template: a FastChat template for models without a chat template;
     threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default);
-    prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU bf16 linear weights packed once for oneDNN);
+    prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU fp32 / bf16 linear weights packed once for oneDNN);
     draft_quant: "auto", "int4", "int8" or "off" (eagle_fsd.quant: the drafter's weights rounded, CPU)."""
 
     model: str = DEFAULT_MODEL
@@ -139,7 +139,7 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prepack", choices=("auto", "on", "off"), default="auto",
-                   help="CPU bf16: linear weights packed once for oneDNN; auto: where it measures faster")
+                   help="CPU fp32 / bf16: linear weights packed once for oneDNN; auto: where it measures faster")
     p.add_argument("--draft-quant", choices=("auto", "int4", "int8", "off"), default="auto",
                    help="CPU: the drafter's weights in int4 / int8 (verification keeps the target's: lossless); "
                         "auto: int4 for an LM drafter where it measures faster")

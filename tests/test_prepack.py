@@ -7,10 +7,12 @@ from torch import nn
 from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.prepack import PackedLinear, is_prepacked, prepack_linears, prepack_supported, unpacked
+from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.tune import resolve_prepack
 from tiny import hf_greedy, tiny_model
 
 BF16 = prepack_supported(torch.bfloat16, "cpu")
+FP32 = prepack_supported(torch.float32, "cpu")
 needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN has no bf16 support on this CPU (no AVX-512 BF16 / AMX)")
 
 
@@ -76,12 +78,18 @@ def test_prepacked_engine_is_lossless(shape):
     assert out.tau > 1.2
 
 
-def test_resolve_prepack_rules():
+def test_resolve_prepack_rules(monkeypatch):
     fp32 = tiny_model("llama", seed=0)
-    assert resolve_prepack("auto", fp32) is False and resolve_prepack(False, fp32) is False
+    assert resolve_prepack(False, fp32) is False and resolve_prepack("off", fp32) is False
+    assert resolve_prepack(True, fp32) is FP32 and resolve_prepack("on", fp32) is FP32
+    for winner, packs in (("fp32-packed", True), ("fp32", False)):  # auto: what the timing of both kinds says
+        monkeypatch.setattr(tune_dtype, "fastest_kind", lambda hidden, intermediate, kinds, w=winner: w)
+        assert resolve_prepack("auto", fp32) is (packs and FP32)
+    fp16 = tiny_model("llama", seed=0).to(torch.float16)
+    assert resolve_prepack("auto", fp16) is False
     for forced in (True, "on"):
-        with pytest.raises(ValueError, match="prepack on needs a CPU model in bf16"):
-            resolve_prepack(forced, fp32)
+        with pytest.raises(ValueError, match="prepack on needs a CPU model in fp32, or in bf16 with oneDNN bf16"):
+            resolve_prepack(forced, fp16)
     with pytest.raises(ValueError, match="prepack='yes'"):
         resolve_prepack("yes", fp32)
     if BF16:

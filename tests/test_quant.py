@@ -152,7 +152,7 @@ def test_resolve_draft_quant_rules(monkeypatch):
 def test_int4_replaces_a_prepacked_drafter():
     draft = tiny_model("llama", vocab=1024, seed=1).to(torch.bfloat16)
     prepack_linears(draft)
-    assert tune_dtype.bf16_kind(draft) == "bf16-packed"
+    assert tune_dtype.kernel_kind(draft) == "bf16-packed"
     quantize_linears(draft, 4)
     assert quant_bits(draft) == 4 and isinstance(draft.lm_head, QuantLinear)
 

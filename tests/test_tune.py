@@ -190,10 +190,27 @@ def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
     assert not tune.native_bf16()
     assert tune.resolve_dtype("auto") == torch.float32
     monkeypatch.setattr(tune_dtype, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape, packed: True)
+    timed = []
+
+    def fastest(winner):
+        def pick(hidden, intermediate, kinds):
+            timed.append(kinds)
+            return next(k for k in kinds if k.startswith(winner))
+        return pick
+
+    monkeypatch.setattr(tune_dtype, "fastest_kind", fastest("bf16"))
     assert tune.resolve_dtype("auto") == torch.bfloat16
-    monkeypatch.setattr(tune_dtype, "bf16_measures_faster", lambda *shape, packed: False)  # native, slower measured
+    monkeypatch.setattr(tune_dtype, "fastest_kind", fastest("fp32"))  # native, slower measured
     assert tune.resolve_dtype("auto") == torch.float32
+    # each dtype is timed as it may run: plain and packed under "auto", packed only under "on", plain under "off"
+    fp32_packs = tune_dtype.prepack_supported(torch.float32, "cpu")
+    bf16_packs = tune_dtype.prepack_supported(torch.bfloat16, "cpu")
+    expected = (("fp32", "fp32-packed") if fp32_packs else ("fp32",)) + (("bf16", "bf16-packed") if bf16_packs else ("bf16",))
+    assert timed[-1] == expected
+    tune.resolve_dtype("auto", prepack="on")
+    assert timed[-1] == ("fp32-packed" if fp32_packs else "fp32", "bf16-packed" if bf16_packs else "bf16")
+    tune.resolve_dtype("auto", prepack="off")
+    assert timed[-1] == ("fp32", "bf16")
     assert tune.resolve_dtype(torch.float16) == torch.float16
 
 

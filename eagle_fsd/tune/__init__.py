@@ -23,8 +23,8 @@ Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a +
 draft_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other
 public names are re-exported here.
 """
-from eagle_fsd.tune.dtype import (bf16_measures_faster, cpu_flags, native_bf16, prepack_measures_faster,
-                                  resolve_draft_quant, resolve_dtype, resolve_prepack)
+from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,
+                                  resolve_prepack)
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
                                     calibration_prompts, device_name, measure, measure_costs, measure_overhead,
                                     timed_rounds)
@@ -34,7 +34,7 @@ from eagle_fsd.tune.store import TUNE_VERSION, apply_tuning, autotune, cache_key
 
 __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "CostProfile", "DraftSetup",
            "TuneSettings", "Tuning", "accepted_lengths", "accepted_path", "apply_tuning", "autotune",
-           "bf16_measures_faster", "cache_key", "cache_path", "calibration_prompts", "choose_shape", "cpu_flags",
-           "cut_to_vocab", "describe", "device_name", "load_or_measure", "measure",
-           "measure_costs", "measure_overhead", "native_bf16", "prepack_measures_faster", "replay",
+           "cache_key", "cache_path", "calibration_prompts", "choose_shape", "cpu_flags",
+           "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
+           "measure_costs", "measure_overhead", "native_bf16", "replay",
            "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]
