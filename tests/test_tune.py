@@ -184,6 +184,28 @@ def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
     assert out.fell_back and out.plain_steps == out.verify_steps
 
 
+def test_cache_key_separates_packed_kernels_and_cpu_caps(monkeypatch):
+    """Profiles timed with other kernels or under an instruction-set cap are not reused."""
+    from eagle_fsd.prepack import prepack_linears, prepack_supported
+    from eagle_fsd.tune.store import CPU_CAP_VARS
+
+    target = tiny_model("llama", seed=1)
+    model = EaFsdModel(target, None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
+    for name in CPU_CAP_VARS:
+        monkeypatch.delenv(name, raising=False)
+    plain = tune.cache_key(model, "m", "d")
+    assert "cpu_caps" not in plain and "prepacked" not in plain
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = tune.cache_key(model, "m", "d")
+    assert capped["cpu_caps"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert tune.cache_path(capped) != tune.cache_path(plain)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    if prepack_supported(torch.float32, "cpu"):
+        prepack_linears(target)
+        packed = tune.cache_key(model, "m", "d")
+        assert packed["prepacked"] is True and tune.cache_path(packed) != tune.cache_path(plain)
+
+
 # ----------------------------------------------------------------------------- dtype "auto"
 def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
     monkeypatch.setattr(tune_dtype, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU

@@ -34,8 +34,8 @@ def native_bf16(flags: set[str] | None = None) -> bool:
 def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8)) -> dict[str, float]:
     """Time of the MLP up-projection (hidden -> intermediate) over `rows` rows together (plain steps and small
     trees) for each kind of kernel ("fp32", "bf16", "fp32-packed", "bf16-packed"; "int4" / "int4-fp32": int4 weights
-    with bf16 / fp32 activations), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so they come from
-    memory, as in a decode step, not from cache."""
+    with bf16 / fp32 activations), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so
+    they come from memory, as in a decode step, not from cache."""
     copies = max(1, math.ceil(128 * 2**20 / (hidden * intermediate * 4)))
     weights32 = [torch.randn(intermediate, hidden) for _ in range(copies)]
     weights = {"fp32": weights32}

@@ -1,9 +1,10 @@
-"""Profiles cached as JSON per model, drafter, device, dtype and threads, and the engine hook that installs the
-chosen shape (autotune)."""
+"""Profiles cached as JSON per model, drafter, device, dtype, kernels and threads, and the engine hook that installs
+the chosen shape (autotune)."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from eagle_fsd.tune.measure import TuneSettings, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 
 TUNE_VERSION = 4
+CPU_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
@@ -25,6 +27,9 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
            "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
     if is_prepacked(target):
         key["prepacked"] = True
+    capped = {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ}
+    if capped:  # an instruction-set cap changes every timing (e.g. emulating an AVX2-only CPU)
+        key["cpu_caps"] = capped
     if model.drafter is not None and quant_bits(model.drafter.module):
         key["draft_bits"] = quant_bits(model.drafter.module)
     if settings is not None and settings != TuneSettings():
