@@ -152,7 +152,6 @@ def resolve_draft_quant(draft_quant, drafter) -> int:
 
     if not isinstance(drafter, LMDrafter) or not quant_supported(4, device):
         return 0
-    config = module.config
     return 4 if int4_measures_faster(*mlp_shape(module.config), kernel_kind(module)) else 0
 
 
