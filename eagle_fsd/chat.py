@@ -25,7 +25,8 @@ from transformers import TextStreamer
 from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.fsd import DIVERGENCES
 from eagle_fsd.prompts import PromptFormat, generate_reply
-from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, load_model, parse_settings
+from eagle_fsd.model import load_model
+from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, parse_settings
 
 COMMANDS_HELP = """commands:
   /fsd T          fuzzy acceptance with threshold T (>= 0)      /fsd off   lossless again

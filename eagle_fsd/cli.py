@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from eagle_fsd.dtypes import dtype_name
+
 COMMANDS = {  # name -> (module with a main(argv) -> int, one-line help)
     "run": ("eagle_fsd.cli", "generate with speculative decoding, then plain decoding; print speed, tau, speedup"),
     "models": ("eagle_fsd.presets:main_models", "list / fetch the offline model presets"),
@@ -40,8 +42,8 @@ def run_main(argv=None) -> int:
 
     from eagle_fsd.prepack import is_prepacked
     from eagle_fsd.prompts import PromptFormat
+    from eagle_fsd.model import load_model
     from eagle_fsd.quant import quant_bits
-    from eagle_fsd.settings import load_model
 
     settings, args = parse_run_args(argv)
     model = load_model(settings)
@@ -51,8 +53,7 @@ def run_main(argv=None) -> int:
 
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
     if is_prepacked(model.base_model):
-        dtype = str(model.base_model.dtype).replace("torch.", "")
-        print(f"{dtype} linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
+        print(f"{dtype_name(model.base_model.dtype)} linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
     draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
     if draft_bits:
         print(f"drafter weights in int{draft_bits} (verification keeps the target's; "
@@ -125,7 +126,7 @@ def output_agreement(reference: torch.Tensor, sequences: torch.Tensor, prompt_le
     elif dtype == torch.float32:
         why = "unexpected for greedy decoding in fp32: please report it with this command"
     else:
-        why = (f"in {str(dtype).replace('torch.', '')} a forward over several tokens rounds differently from a "
+        why = (f"in {dtype_name(dtype)} a forward over several tokens rounds differently from a "
                "one-token forward, which can flip a near-tied greedy choice; --dtype fp32 gives the target's exact "
                "greedy output")
     return f"output differs from new token {first} on: {why}"

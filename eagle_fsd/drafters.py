@@ -1,9 +1,10 @@
-"""Drafters: an EAGLE-1/2 head or any causal LM sharing the target's tokenizer, and the EAGLE-2 tree growth.
+"""Drafters: an EAGLE-1/2 head or any causal LM sharing the target's tokenizer (EAGLE-3: eagle_fsd.eagle3), the
+Drafter base they share, and the EAGLE-2 tree growth.
 
-A drafter keeps its own cache of committed context and offers:
+A drafter (Drafter) keeps its own cache of committed context and offers:
   prefill(prompt_ids, root, target_hidden) / extend(tokens, target_hidden) -> (draft logits at the root, root state)
   forward_level(tokens, parent_state, level, level_mask) -> (draft logits at each node, node states)
-  rollback()  -- drop the scratch entries of the tree levels
+  rollback()  -- drop the scratch entries of the tree levels; rewind(length) -- forget the context after `length`
   draft_vocab -- None, or the target ids of a reduced draft vocabulary (FR-Spec): the draft lm_head then scores only
                  those tokens, so logits are (.., len(draft_vocab)); verification still uses the full vocabulary.
 Context positions: after `extend`, the drafter has consumed `length` inputs; tree level s (0-based) sits at position
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -26,6 +29,7 @@ from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
+from eagle_fsd.tree.shape import TreeShape
 
 
 class EagleHead(nn.Module):
@@ -65,7 +69,7 @@ class EagleHead(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _head_file(path: str, name: str) -> str | None:
+def head_file(path: str, name: str) -> str | None:
     """Path of one head file in a local dir, or from the hub (cache first, so that offline use works)."""
     if os.path.isdir(path):
         local = os.path.join(path, name)
@@ -85,18 +89,21 @@ def _head_file(path: str, name: str) -> str | None:
                                 "model.safetensors or pytorch_model.bin") from err
 
 
-def _read_head_files(path: str):
-    """config dict and state dict of a published EAGLE-1/2 head (local dir or hub id)."""
-    config_file = _head_file(path, "config.json")
+def read_head_config(path: str) -> dict:
+    """config.json of an EAGLE head (local dir or hub id)."""
+    config_file = head_file(path, "config.json")
     if config_file is None:
         raise FileNotFoundError(f"EAGLE head {path!r} has no config.json")
     with open(config_file) as f:
-        config = json.load(f)
-    if (weights := _head_file(path, "model.safetensors")) is not None:
-        from safetensors.torch import load_file
+        return json.load(f)
 
+
+def read_head_files(path: str):
+    """config dict and state dict of a published EAGLE head (local dir or hub id)."""
+    config = read_head_config(path)
+    if (weights := head_file(path, "model.safetensors")) is not None:
         return config, load_file(weights)
-    if (weights := _head_file(path, "pytorch_model.bin")) is not None:
+    if (weights := head_file(path, "pytorch_model.bin")) is not None:
         return config, torch.load(weights, map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"EAGLE head {path!r} has neither model.safetensors nor pytorch_model.bin")
 
@@ -110,7 +117,7 @@ def head_config(raw: dict) -> tuple[LlamaConfig, bool, bool]:
 
 def load_eagle_head(path: str, target: nn.Module) -> EagleHead:
     """Load a head in the published EAGLE-1/2 layout and check it fits `target`."""
-    raw, state = _read_head_files(path)
+    raw, state = read_head_files(path)
     config, bias, qkv_bias = head_config(raw)
     target_cfg = target.config
     vocab, hidden = target.get_input_embeddings().weight.shape
@@ -192,7 +199,87 @@ class DraftHead:
         return logits
 
 
-class EagleDrafter:
+class Drafter:
+    """The step contract every drafter keeps, and its cache bookkeeping. A drafter reads the committed context once
+    (prefill, then extend per step), grows tree levels atop it as scratch (forward_level), and drops the scratch
+    (rollback). `length` counts the inputs read; tree level s sits at position length + s.
+
+    A subclass gives `module` (its own weights), `cache_layers`, `_hidden(tokens, inputs, mask, positions)` ->
+    (hidden states (T, H) before the draft lm_head, the states the next tree level reads or None) and
+    `_logits(hidden)` -> draft logits (T, V_draft). Declared capabilities:
+      feature_layers    None: reads the target's final hidden states; EAGLE-3: those entering these layers
+      reads_features    the inputs pair feature f_t with token x_{t+1} (EAGLE), so prefill skips the first token
+      reducible_vocab   the tuner may cut the draft vocabulary to the most frequent tokens (FR-Spec)
+      auto_quant        draft_quant "auto" may round its weights to int4 (an LM: big, with its own lm_head)
+      assistant_model   a causal LM HF assisted generation can draft with (None: none)"""
+
+    feature_layers: tuple[int, ...] | None = None
+    reads_features = True
+    reducible_vocab = True
+    auto_quant = False
+    assistant_model: nn.Module | None = None
+    cache_layers = 1
+
+    def __init__(self, draft_head, attention: str = "auto"):
+        self.draft_head, self.attention = draft_head, attention
+        self.cache, self.length = None, 0
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """None, or the target ids the draft logits score (a reduced vocabulary, or an EAGLE-3 head's own)."""
+        return self.draft_head.draft_vocab
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Score only the target ids `ids` (None: the drafter's own vocabulary)."""
+        self.draft_head.set_draft_vocab(ids)
+
+    @contextmanager
+    def drafting_over(self, ids: torch.Tensor | None):
+        """The draft vocabulary `ids` inside the block, the one before it afterwards."""
+        before = self.draft_vocab
+        self.set_draft_vocab(ids)
+        try:
+            yield self
+        finally:
+            self.set_draft_vocab(before)
+
+    def reset(self, max_len: int) -> None:
+        self.cache = TreeCache(self.cache_layers, max_len)
+        self.length = 0
+
+    def prefill(self, prompt_ids, root, target_hidden=None):
+        """Read the prompt and the first new token: (draft logits at the root, root state)."""
+        tokens = prompt_ids[1:] if self.reads_features else prompt_ids
+        return self.extend(torch.cat([tokens, root.reshape(1)]), target_hidden)
+
+    def extend(self, tokens, target_hidden=None):
+        """Read committed tokens (with the target's features at the positions before them, for a head)."""
+        n = tokens.numel()
+        positions = self.length + torch.arange(n, device=tokens.device)
+        hidden, states = self._hidden(tokens, target_hidden, causal_mask(self.length, n, tokens.device), positions)
+        self.length += n
+        return self._logits(hidden[-1:])[0], None if states is None else states[-1]
+
+    def forward_level(self, tokens, parent_state, level: int, level_mask):
+        """One tree level: (draft logits at each node, node states), each node at position length + level."""
+        positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
+        hidden, states = self._hidden(tokens, parent_state, prefix_tree_mask(self.length, level_mask), positions)
+        return self._logits(hidden), states
+
+    def rollback(self) -> None:
+        """Drop the scratch entries of the tree levels."""
+        self.cache.crop(self.length)
+
+    def rewind(self, length: int) -> None:
+        """Forget the context after its first `length` inputs."""
+        self.cache.crop(length)
+        self.length = length
+
+    def _logits(self, hidden):
+        return self.draft_head(hidden)
+
+
+class EagleDrafter(Drafter):
     """Drafts with an EAGLE head: input at position t is (embed(x_{t+1}), feature f_t). attention: the head's
     attention backend (eagle_fsd.attention)."""
 
@@ -203,94 +290,49 @@ class EagleDrafter:
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
         check_attention_support(target.config)
-        self.head, self.target, self.attention = head, target, attention
+        super().__init__(DraftHead(target, target.config.vocab_size), attention)
+        self.head, self.target = head, target
         self.embed = target.get_input_embeddings()
-        self.draft_head = DraftHead(target, target.config.vocab_size)
 
     @property
     def module(self) -> nn.Module:
         """The drafter's own weights (the target's embedding and lm_head are the target's)."""
         return self.head
 
-    @property
-    def draft_vocab(self):
-        return self.draft_head.draft_vocab
-
-    def reset(self, max_len: int):
-        self.cache = TreeCache(1, max_len)
-        self.length = 0
-
-    def _run(self, tokens, features, mask, positions):
-        return self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache,
-                         self.attention)[0]
-
-    def prefill(self, prompt_ids, root, target_hidden):
-        return self.extend(torch.cat([prompt_ids[1:], root.reshape(1)]), target_hidden)
-
-    def extend(self, tokens, target_hidden):
-        n = tokens.numel()
-        positions = self.length + torch.arange(n, device=tokens.device)
-        hidden = self._run(tokens, target_hidden, causal_mask(self.length, n, tokens.device), positions)
-        self.length += n
-        last = hidden[-1:]
-        return self.draft_head(last)[0], last[0]
-
-    def forward_level(self, tokens, parent_state, level, level_mask):
-        k = tokens.numel()
-        positions = torch.full((k,), self.length + level, device=tokens.device)
-        hidden = self._run(tokens, parent_state, prefix_tree_mask(self.length, level_mask), positions)
-        return self.draft_head(hidden), hidden
-
-    def rollback(self):
-        self.cache.crop(self.length)
+    def _hidden(self, tokens, features, mask, positions):
+        hidden = self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache,
+                           self.attention)[0]
+        return hidden, hidden
 
 
-class LMDrafter:
+class LMDrafter(Drafter):
     """Drafts with a small causal LM that shares the target's tokenizer (training-free). attention: its attention
     backend (eagle_fsd.attention)."""
+    reads_features = False
+    auto_quant = True
 
     def __init__(self, model: nn.Module, vocab_size: int, attention: str = "auto"):
         check_attention_support(model.config)
+        super().__init__(DraftHead(model, vocab_size), attention)  # cut or padded to the target's logit width
         self.model = model
-        self.attention = attention
-        self.vocab_size = vocab_size  # the target's logit width; the draft's is cut or padded to it
-        self.draft_head = DraftHead(model, vocab_size)
+        self.vocab_size = vocab_size
+        self.cache_layers = model.config.num_hidden_layers
 
     @property
     def module(self) -> nn.Module:
         return self.model
 
     @property
-    def draft_vocab(self):
-        return self.draft_head.draft_vocab
+    def assistant_model(self) -> nn.Module:
+        return self.model
 
-    def reset(self, max_len: int):
-        self.cache = TreeCache(self.model.config.num_hidden_layers, max_len)
-        self.length = 0
-
-    def prefill(self, prompt_ids, root, target_hidden=None):
-        return self.extend(torch.cat([prompt_ids, root.reshape(1)]))
-
-    def extend(self, tokens, target_hidden=None):
-        n = tokens.numel()
-        positions = self.length + torch.arange(n, device=tokens.device)
-        hidden = decoder_forward(self.model, tokens, self.cache, causal_mask(self.length, n, tokens.device), positions,
-                                 self.attention)
-        self.length += n
-        return self.draft_head(hidden[-1:])[0], None
-
-    def forward_level(self, tokens, parent_state, level, level_mask):
-        positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
-        hidden = decoder_forward(self.model, tokens, self.cache, prefix_tree_mask(self.length, level_mask), positions,
-                                 self.attention)
-        return self.draft_head(hidden), None
-
-    def rollback(self):
-        self.cache.crop(self.length)
+    def _hidden(self, tokens, target_hidden, mask, positions):
+        return decoder_forward(self.model, tokens, self.cache, mask, positions, self.attention), None
 
 
-def grow_tree(drafter, root_token, root_logits, root_state, total_token: int, depth: int, top_k: int) -> DraftTree:
-    """EAGLE-2 drafting: `depth` draft forwards of top_k nodes each, then the global rerank to total_token nodes."""
-    pool = grow_pool(drafter.forward_level, root_logits, root_state, depth, top_k, drafter.draft_vocab)
+def grow_tree(drafter: Drafter, root_token, root_logits, root_state, shape: TreeShape) -> DraftTree:
+    """EAGLE-2 drafting: `shape.depth` draft forwards of `shape.branching` nodes each, then the global rerank to
+    `shape.total_token` nodes."""
+    pool = grow_pool(drafter.forward_level, root_logits, root_state, shape.depth, shape.branching, drafter.draft_vocab)
     drafter.rollback()
-    return select_tree(root_token, pool, total_token, max_depth=depth + 1)
+    return select_tree(root_token, pool, shape.total_token, max_depth=shape.depth + 1)

@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import _read_head_files, load_weights
+from eagle_fsd.drafters import Drafter, load_weights, read_head_files
 from eagle_fsd.hf import cache_kwargs, causal_mask, prefix_tree_mask
 
 LAYOUTS = ("eagle", "sglang", "speculators")
@@ -121,6 +121,11 @@ class Eagle3Head(nn.Module):
         """token_embeds (B, T, H); hidden (B, T, k * target_hidden) target features, or (B, T, H) the draft's own
         state at later tree levels -> (new hidden (B, T, H) pre-norm, draft logits (B, T, draft_vocab)); attention
         by `backend` (eagle_fsd.attention)."""
+        hidden = self.hidden(token_embeds, hidden, position_ids, attention_mask, cache, backend)
+        return hidden, self.logits(hidden)
+
+    def hidden(self, token_embeds, hidden, position_ids, attention_mask, cache=None, backend: str = "auto"):
+        """forward's new hidden states alone (pre-norm, what the next tree level reads)."""
         hidden = hidden.to(self.fc.weight.dtype)
         if hidden.shape[-1] == self.fc.in_features:
             hidden = self.fc(hidden)
@@ -128,9 +133,12 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"EAGLE-3 head takes hidden states of width {self.fc.in_features} (target features) or "
                              f"{self.config.hidden_size} (its own state); got {hidden.shape[-1]}")
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        hidden = self.midlayer(token_embeds.to(hidden.dtype), hidden, position_embeddings, position_ids,
-                               attention_mask, cache, backend)
-        return hidden, self.lm_head(self.norm(hidden))
+        return self.midlayer(token_embeds.to(hidden.dtype), hidden, position_embeddings, position_ids,
+                             attention_mask, cache, backend)
+
+    def logits(self, hidden):
+        """Draft logits over the draft vocabulary: lm_head(norm(h))."""
+        return self.lm_head(self.norm(hidden))
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -285,7 +293,7 @@ def load_eagle3_head(path: str, target: nn.Module) -> tuple[Eagle3Head, tuple[in
     """Load an EAGLE-3 head in any of the three layouts (local dir or hub id) and check it fits `target`. Returns the
     head in the target's dtype and device, and the target's output_hidden_states indices it reads (concatenated in
     that order into its fc input)."""
-    raw, state = _read_head_files(path)
+    raw, state = read_head_files(path)
     fmt = read_format(raw, path)
     indices = aux_hidden_indices(fmt, target.config.num_hidden_layers, path)
     state = canonical_state(state, path)
@@ -309,18 +317,22 @@ def aux_features(hidden_states, indices: tuple[int, ...]) -> torch.Tensor:
 
 
 class OwnVocabulary:
-    """An EAGLE-3 head's draft vocabulary is part of the head: the tuner's reduced vocabularies do not apply."""
+    """An EAGLE-3 head's draft vocabulary is part of the head (d2t): the tuner's reduced vocabularies do not apply.
+    draft_vocab: its target ids (None when it is the full one)."""
+
+    def __init__(self, draft_vocab: torch.Tensor | None):
+        self.draft_vocab = draft_vocab
 
     def set_draft_vocab(self, ids) -> None:
-        if ids is not None:
+        if ids is not None and ids is not self.draft_vocab:
             raise ValueError("an EAGLE-3 head drafts over its own draft vocabulary (d2t); it cannot be reduced")
 
 
-class Eagle3Drafter:
-    """Drafts with an EAGLE-3 head, following the drafter protocol of eagle_fsd.drafters: target_hidden is the
-    (T, k * H) concatenation of the target's hidden states at `feature_layers` (output_hidden_states indices, what
-    the engine captures for it); tree levels feed the draft's own (H,) state. draft_vocab: the target ids of the
-    head's draft vocabulary (None when it is the full one). attention: the head's backend (eagle_fsd.attention)."""
+class Eagle3Drafter(Drafter):
+    """Drafts with an EAGLE-3 head (the Drafter contract of eagle_fsd.drafters): target_hidden is the (T, k * H)
+    concatenation of the target's hidden states at `feature_layers` (output_hidden_states indices, what the engine
+    captures for it); tree levels feed the draft's own (H,) state. draft_vocab: the target ids of the head's draft
+    vocabulary (None when it is the full one). attention: the head's backend (eagle_fsd.attention)."""
     reducible_vocab = False  # the draft vocabulary is the head's own (d2t): the tuner does not cut it
 
     def __init__(self, head: Eagle3Head, target: nn.Module, feature_layers: tuple[int, ...] | None = None,
@@ -334,40 +346,20 @@ class Eagle3Drafter:
         if max(self.feature_layers) >= layers:
             raise ValueError(f"EAGLE-3 feature layers {self.feature_layers}: index {layers} (the last layer's output "
                              "before the final norm) is not supported; use inputs of layers 0..N-1")
-        self.head, self.target, self.attention = head, target, attention
-        self.embed = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
         ids = head.draft_to_target_ids()
         full = ids.numel() == target.config.vocab_size and bool((ids == torch.arange(ids.numel())).all())
-        self.draft_vocab = None if full else ids
-        self.draft_head = OwnVocabulary()
+        super().__init__(OwnVocabulary(None if full else ids), attention)
+        self.head, self.target = head, target
+        self.embed = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
 
     @property
     def module(self) -> nn.Module:
         return self.head
 
-    def reset(self, max_len: int):
-        self.cache = TreeCache(1, max_len)
-        self.length = 0
+    def _hidden(self, tokens, hidden, mask, positions):
+        new_hidden = self.head.hidden(self.embed(tokens)[None], hidden[None], positions[None], mask, self.cache,
+                                      self.attention)[0]
+        return new_hidden, new_hidden
 
-    def _run(self, tokens, hidden, mask, positions):
-        new_hidden, logits = self.head(self.embed(tokens)[None], hidden[None], positions[None], mask, self.cache,
-                                       self.attention)
-        return new_hidden[0], logits[0]
-
-    def prefill(self, prompt_ids, root, target_hidden):
-        return self.extend(torch.cat([prompt_ids[1:], root.reshape(1)]), target_hidden)
-
-    def extend(self, tokens, target_hidden):
-        n = tokens.numel()
-        positions = self.length + torch.arange(n, device=tokens.device)
-        hidden, logits = self._run(tokens, target_hidden, causal_mask(self.length, n, tokens.device), positions)
-        self.length += n
-        return logits[-1], hidden[-1]
-
-    def forward_level(self, tokens, parent_state, level, level_mask):
-        positions = torch.full((tokens.numel(),), self.length + level, device=tokens.device)
-        hidden, logits = self._run(tokens, parent_state, prefix_tree_mask(self.length, level_mask), positions)
-        return logits, hidden
-
-    def rollback(self):
-        self.cache.crop(self.length)
+    def _logits(self, hidden):
+        return self.head.logits(hidden)

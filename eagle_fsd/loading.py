@@ -1,23 +1,126 @@
-"""Building a drafter for a loaded target: an EAGLE-1/2 head, an EAGLE-3 head (any of the three published layouts,
-told apart by config.json) or a causal LM that shares the target's tokenizer."""
+"""The loader: everything that turns names and options into a ready model. A preset, hub id or directory becomes
+a target and tokenizer (dtype "auto" resolved); the drafter is the head or LM named, else the preset's own (an
+EAGLE-1/2 head, an EAGLE-3 head in any of its three layouts, told apart by config.json, or a causal LM sharing the
+target's tokenizer); weights are prepacked and the drafter's quantized where that pays; "auto" tree settings become
+the TreeShape the measured cost model chooses (eagle_fsd.tune). The model class is the caller's
+(EaFsdModel.from_pretrained passes itself), so nothing here imports the engine."""
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from eagle_fsd.attention import ATTENTION_NAME
-from eagle_fsd.drafters import EagleDrafter, LMDrafter, _head_file, load_eagle_head
+from eagle_fsd import presets
+from eagle_fsd.attention import ATTENTION_NAME, check_backend
+from eagle_fsd.drafters import EagleDrafter, LMDrafter, load_eagle_head, read_head_config
+from eagle_fsd.dtypes import torch_dtype
 from eagle_fsd.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3_head
+from eagle_fsd.prepack import prepack_linears
+from eagle_fsd.quant import quantize_linears
+from eagle_fsd.settings import AUTO, Settings
+from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.tune import autotune, resolve_draft_quant, resolve_dtype, resolve_prepack
+
+EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
+TREE_NAMES = ("total_token", "depth", "branching")  # TreeShape's names of the same
 
 
-def head_is_eagle3(path: str) -> bool:
-    """Whether the head at `path` (directory or hub id) is an EAGLE-3 head, from its config.json."""
-    config_file = _head_file(path, "config.json")
-    if config_file is None:
-        raise FileNotFoundError(f"EAGLE head {path!r} has no config.json")
-    with open(config_file) as f:
-        return is_eagle3(json.load(f))
+def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
+                    tree: tuple = (None, None, None), dtype="auto", device_map=None, attention: str = "auto",
+                    tune_progress: bool = True, prepack="auto", draft_quant="auto", **kwargs):
+    """`cls` (EaFsdModel) loaded and ready. base_model: a preset name, hub id or directory. ea_model_path: an
+    EAGLE-1/2 or EAGLE-3 head (dir or hub id); draft_model: a causal LM sharing the tokenizer (name, dir, hub id or a
+    loaded model) or a directory holding an EAGLE head. Without either, the preset's own drafter (the EAGLE head
+    shipped for it, else its sibling LM).
+    tree: EAGLE's (total_token, depth, top_k), each an int, "auto" (the shape the measured cost model predicts
+    fastest on this machine; measured once, cached; plain decoding when nothing pays) or None ("auto" for a
+    preset, else EAGLE's default).
+    dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32 (a name such
+    as "bf16" or a torch.dtype forces it).
+    prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed once
+    for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
+    draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
+    measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless."""
+    check_backend(attention)
+    resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
+    fixed, auto = requested_tree(base_model in presets.PRESETS, tree)
+    path = presets.resolve_model(base_model)
+    target, tokenizer = load_target(path, dtype, device_map, prepack, kwargs)
+    kind, source = drafter_source(base_model, ea_model_path, draft_model)
+    drafter = build_drafter(kind, source, target, tokenizer, attention)
+    prepare_weights(target, drafter, prepack, draft_quant)
+    provisional = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES))
+    model = cls(target, tokenizer, drafter, shape=provisional, attention=attention)
+    if drafter is None or not auto:
+        return model
+    tuning = autotune(model, base_model, drafter_name=source, fixed=fixed, progress=tune_progress)
+    return cls(target, tokenizer, drafter, shape=tuning.tree, attention=attention, tuning=tuning)
+
+
+def requested_tree(preset: bool, tree: tuple) -> tuple[dict, list[str]]:
+    """({TreeShape field: int} of the values given, [fields left to the cost model]) from EAGLE's (total_token,
+    depth, top_k); unset values are "auto" for a preset, else EAGLE's defaults. Checked before anything loads."""
+    values = [("auto" if preset else default) if value is None else value
+              for value, default in zip(tree, EAGLE_DEFAULTS)]
+    TreeShape(*(1 if v == AUTO else v for v in values))  # a bad value fails here
+    fixed = {name: v for name, v in zip(TREE_NAMES, values) if v != AUTO}
+    return fixed, [name for name, v in zip(TREE_NAMES, values) if v == AUTO]
+
+
+def load_target(path: str, dtype, device_map, prepack, hf_kwargs: dict):
+    """(target model, tokenizer); dtype "auto" resolved on the model's own shape (eagle_fsd.tune.resolve_dtype)."""
+    if dtype == "auto":
+        dtype = resolve_dtype(dtype, device_map, AutoConfig.from_pretrained(path), prepack)
+    elif isinstance(dtype, str):
+        dtype = torch_dtype(dtype)
+    load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **hf_kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, **load).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def prepare_weights(target, drafter, prepack, draft_quant) -> None:
+    """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen."""
+    if resolve_prepack(prepack, target):
+        prepack_linears(target)
+        if drafter is not None:
+            prepack_linears(drafter.module)
+    draft_bits = resolve_draft_quant(draft_quant, drafter)
+    if draft_bits:
+        quantize_linears(drafter.module, draft_bits)
+
+
+# ---------------------------------------------------------------- the drafter
+def holds_eagle_fc(path: str) -> bool:
+    """A local directory whose weights hold EAGLE's `fc` layer (the feature/embedding fusion no causal LM has)."""
+    folder = Path(path)
+    if (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            return "fc.weight" in f.keys()
+    if (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
+        return "fc.weight" in state
+    return False
+
+
+def drafter_source(base_model: str, ea_model_path: str | None, draft_model) -> tuple[str | None, object]:
+    """The one head-kind detector: (kind, what to load it from), kind "eagle3" or "eagle" (an EAGLE head; config.json
+    tells EAGLE-3 layouts apart), "lm" (a causal LM) or None (no drafter). A draft_model that is a local directory
+    holding EAGLE weights is a head; with neither given, the preset's own drafter (shipped head, else sibling LM)."""
+    if ea_model_path is None and draft_model is None:
+        ea_model_path = presets.shipped_head(base_model)
+        draft_model = None if ea_model_path is not None else presets.default_drafter(base_model)
+    if ea_model_path is None and isinstance(draft_model, str) and Path(draft_model).is_dir() \
+            and holds_eagle_fc(draft_model):
+        ea_model_path, draft_model = draft_model, None
+    if ea_model_path is not None:  # a missing directory or config.json is reported here, by name
+        return ("eagle3" if is_eagle3(read_head_config(ea_model_path)) else "eagle"), ea_model_path
+    return (None if draft_model is None else "lm"), draft_model
+
+
+def drafter_name(base_model: str, ea_model_path: str | None, draft_model) -> object:
+    """What names the drafter in tuning caches: the head or LM given, else the preset's own."""
+    return drafter_source(base_model, ea_model_path, draft_model)[1]
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name):
@@ -27,20 +130,36 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name):
                          "the same tokenizer as the target")
 
 
-def load_drafter(target, tokenizer, ea_model_path: str | None, draft_model, attention: str = "auto",
-                 resolve=lambda name: name):
-    """The drafter for `target`: from an EAGLE head (ea_model_path: EAGLE-1/2 or EAGLE-3, a directory or hub id),
-    else from draft_model (a name `resolve` turns into a directory or hub id, or a loaded model), else None."""
-    if ea_model_path is not None:
-        if head_is_eagle3(ea_model_path):  # a missing directory or config.json is reported here, by name
-            head, layers = load_eagle3_head(ea_model_path, target)
-            return Eagle3Drafter(head, target, layers, attention)
-        return EagleDrafter(load_eagle_head(ea_model_path, target), target, attention)
-    if draft_model is None:
+def build_drafter(kind: str | None, source, target, tokenizer, attention: str = "auto"):
+    """The drafter of `kind` (drafter_source) for `target`: an EAGLE-3 or EAGLE-1/2 head from a directory or hub id,
+    or an LM from a name (preset, directory or hub id) or a loaded model; None for no drafter."""
+    if kind == "eagle3":
+        head, layers = load_eagle3_head(source, target)
+        return Eagle3Drafter(head, target, layers, attention)
+    if kind == "eagle":
+        return EagleDrafter(load_eagle_head(source, target), target, attention)
+    if kind is None:
         return None
-    if isinstance(draft_model, str):
-        draft_path = resolve(draft_model)
-        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_path), draft_model)
-        draft_model = AutoModelForCausalLM.from_pretrained(
+    if isinstance(source, str):
+        draft_path = presets.resolve_model(source)
+        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_path), source)
+        source = AutoModelForCausalLM.from_pretrained(
             draft_path, dtype=target.dtype, attn_implementation=ATTENTION_NAME).to(target.device).eval()
-    return LMDrafter(draft_model, target.config.vocab_size, attention)
+    return LMDrafter(source, target.config.vocab_size, attention)
+
+
+# ---------------------------------------------------------------- command settings
+def load_model(cls, settings: Settings):
+    """`cls` loaded for a command's settings. Speculative decoding (not the baseline) needs a drafter: none is a
+    usage error."""
+    m, tree = settings.model, settings.tree
+    if m.threads:
+        torch.set_num_threads(m.threads)
+    model = cls.from_pretrained(m.model, ea_model_path=m.ea_model_path, draft_model=m.drafter,
+                                total_token=tree.total_token, depth=tree.depth, top_k=tree.top_k, dtype=m.dtype,
+                                device_map=m.device, attention=m.attention, prepack=m.prepack,
+                                draft_quant=m.draft_quant)
+    if model.drafter is None and not settings.generation.baseline:
+        raise SystemExit(f"{m.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
+                         "--ea-model-path HEAD, or --baseline for plain decoding")
+    return model

@@ -2,24 +2,25 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
-from eagle_fsd.attention import ATTENTION_NAME, check_attention_support, check_backend
+from eagle_fsd import loading, vocab
+from eagle_fsd.attention import check_attention_support, check_backend
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import grow_tree
 from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
-from eagle_fsd.loading import load_drafter
-from eagle_fsd.prepack import prepack_linears
-from eagle_fsd.quant import quantize_linears
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
 from eagle_fsd.guard import PhaseClock, SpeedGuard
 from eagle_fsd.sampling import choose_tokens, logits_processor
 from eagle_fsd.tree.accept import Step, acceptance_by_depth, tokens_per_step
 from eagle_fsd.tree.dynamic import chain_tree
+from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.settings import Settings
+from eagle_fsd.tune import Tuning
 
 
 @dataclass
@@ -107,11 +108,15 @@ class EaFsdModel(torch.nn.Module):
     """EAGLE-2 dynamic-tree speculative decoding over a Hugging Face causal LM (batch size 1).
 
     base_model: the HF target model (public, as in EAGLE); tokenizer: its tokenizer; drafter: EagleDrafter,
-    Eagle3Drafter or LMDrafter (None: plain decoding only; eagle_fsd.loading builds one).
+    Eagle3Drafter or LMDrafter (None: plain decoding only; eagle_fsd.loading builds one). The draft tree: EAGLE's
+    total_token / depth / top_k, or `shape` (a TreeShape, which wins); `tuning`: the cost model's choice that
+    chose it (eagle_fsd.tune), which turns the speed guard on. Both are fixed for the model's life: `generate`
+    takes another shape per call.
     """
 
     def __init__(self, base_model, tokenizer=None, drafter=None, total_token: int = 60, depth: int = 5,
-                 top_k: int = 10, attention: str = "auto"):
+                 top_k: int = 10, attention: str = "auto", shape: TreeShape | None = None,
+                 tuning: Tuning | None = None):
         super().__init__()
         check_backend(attention)
         self.attention = attention  # the target's attention backend (eagle_fsd.attention); drafters hold their own
@@ -119,85 +124,51 @@ class EaFsdModel(torch.nn.Module):
         self.tokenizer = tokenizer
         self.drafter = drafter
         check_attention_support(base_model.config)  # sliding windows are honoured; other kinds are refused
-        self.total_token, self.depth, self.top_k = total_token, depth, top_k
-        self._check_tree_args(total_token, depth, top_k)
-        self.tuning = None  # a tune.Tuning once the cost model chose the tree (auto settings): plain rate, guard
+        self._shape = shape or TreeShape(total_token, depth, top_k)
+        self._tuning = tuning  # plain rate and verify costs for the speed guard
         # the token vocabulary: logit rows beyond it (padding) are not tokens
         self.vocab_size = len(tokenizer) if tokenizer is not None else base_model.config.vocab_size
+        self._vocab_ids = {0: None}  # draft vocabulary size -> its target ids (0: the drafter's own)
+        if drafter is not None and self._shape.draft_vocab:
+            drafter.set_draft_vocab(self._draft_vocab_ids(self._shape.draft_vocab))
+
+    @property
+    def shape(self) -> TreeShape:
+        return self._shape
+
+    @property
+    def tuning(self) -> Tuning | None:
+        return self._tuning
+
+    # EAGLE's names for the tree
+    total_token = property(lambda self: self._shape.total_token)
+    depth = property(lambda self: self._shape.depth)
+    top_k = property(lambda self: self._shape.branching)
 
     # ---------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
                         total_token: int | str | None = None, depth: int | str | None = None,
-                        top_k: int | str | None = None, dtype="auto",
-                        device_map=None, attention: str = "auto", tune_progress: bool = True, prepack="auto",
-                        draft_quant="auto", **kwargs):
-        """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory.
-        ea_model_path: an EAGLE-1/2 or EAGLE-3 head (dir or hub id). draft_model: a causal LM sharing the tokenizer (name, dir,
-        hub id or a loaded model). Without either, a preset's default drafter is used if it has one (the EAGLE head
-        shipped for it, else its sibling LM).
-        total_token / depth / top_k: ints (EAGLE's meaning) or "auto": the shape the measured cost model predicts
-        fastest on this machine (eagle_fsd.tune; measured once, cached), with plain decoding when nothing pays.
-        Unset: "auto" for a preset, else EAGLE's defaults (60, 5, 10).
-        dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32.
-        prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed once
-        for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
-        draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
-        measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless."""
-        from eagle_fsd import presets
-        from eagle_fsd.tune import resolve_draft_quant, resolve_dtype, resolve_prepack
+                        top_k: int | str | None = None, dtype="auto", device_map=None, attention: str = "auto",
+                        tune_progress: bool = True, prepack="auto", draft_quant="auto", **kwargs):
+        """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory; ea_model_path: an
+        EAGLE-1/2 or EAGLE-3 head, or draft_model: a causal LM sharing the tokenizer (default: the preset's drafter).
+        total_token / depth / top_k: ints (EAGLE's meaning) or "auto", the shape the measured cost model predicts
+        fastest here (unset: "auto" for a preset, else EAGLE's 60, 5, 10). dtype, prepack, draft_quant: "auto" or
+        forced; see eagle_fsd.loading.load_pretrained."""
+        return loading.load_pretrained(cls, base_model, ea_model_path, draft_model, (total_token, depth, top_k),
+                                       dtype=dtype, device_map=device_map, attention=attention,
+                                       tune_progress=tune_progress, prepack=prepack, draft_quant=draft_quant,
+                                       **kwargs)
 
-        check_backend(attention)
-        resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
-        total_token, depth, top_k = cls._tree_settings(base_model in presets.PRESETS, total_token, depth, top_k)
-        auto = [name for name, v in (("total_token", total_token), ("depth", depth), ("top_k", top_k)) if v == "auto"]
-        path = presets.resolve_model(base_model)
-        if dtype == "auto":
-            from transformers import AutoConfig
-
-            dtype = resolve_dtype(dtype, device_map, AutoConfig.from_pretrained(path), prepack)
-        if ea_model_path is None and draft_model is None:  # the preset's own drafter: a shipped head, else an LM
-            ea_model_path = presets.shipped_head(base_model)
-            if ea_model_path is None:
-                draft_model = presets.default_drafter(base_model)
-        load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **kwargs)
-        target = AutoModelForCausalLM.from_pretrained(path, **load).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        drafter = load_drafter(target, tokenizer, ea_model_path, draft_model, attention, presets.resolve_model)
-        if resolve_prepack(prepack, target):
-            prepack_linears(target)
-            if drafter is not None:
-                prepack_linears(drafter.module)
-        draft_bits = resolve_draft_quant(draft_quant, drafter)
-        if draft_bits:
-            quantize_linears(drafter.module, draft_bits)
-        fixed = [1 if v == "auto" else v for v in (total_token, depth, top_k)]
-        model = cls(target, tokenizer, drafter, *fixed, attention=attention)
-        if drafter is not None and auto:
-            from eagle_fsd.tune import autotune
-
-            autotune(model, base_model, drafter_name=ea_model_path or draft_model, auto=auto,
-                     fixed=dict(total_token=total_token, depth=depth, top_k=top_k), progress=tune_progress)
-        return model
-
-    @classmethod
-    def _tree_settings(cls, preset: bool, total_token, depth, top_k):
-        """Unset values: "auto" for a preset, else EAGLE's defaults; checked before anything loads."""
-        settings = tuple(("auto" if preset else default) if value is None else value
-                         for value, default in ((total_token, 60), (depth, 5), (top_k, 10)))
-        cls._check_tree_args(*(1 if v == "auto" else v for v in settings))
-        return settings
-
-    def set_tree(self, total_token: int, depth: int, top_k: int) -> None:
-        self._check_tree_args(total_token, depth, top_k)
-        self.total_token, self.depth, self.top_k = total_token, depth, top_k
-
-    @staticmethod
-    def _check_tree_args(total_token, depth, top_k):
-        for name, value in (("total_token", total_token), ("depth", depth), ("top_k", top_k)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int (EAGLE defaults: total_token=60, depth=5, "
-                                 "top_k=10)")
+    def _draft_vocab_ids(self, size: int) -> torch.Tensor | None:
+        """The target ids of the `size` most frequent tokens (eagle_fsd.vocab); 0: None, the drafter's own."""
+        if size not in self._vocab_ids:
+            order = vocab.frequency_order(self.tokenizer)
+            if order is None:
+                raise ValueError(f"draft_vocab={size}: no frequency table for this tokenizer (eagle_fsd.vocab)")
+            self._vocab_ids[size] = vocab.draft_vocab(order, size).to(self.base_model.device)
+        return self._vocab_ids[size]
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -206,20 +177,29 @@ class EaFsdModel(torch.nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None,
-                 fsd_threshold: float | None = None, fsd: FsdConfig | None = None, profile: bool = False):
+                 fsd_threshold: float | None = None, fsd: FsdConfig | None = None, profile: bool = False,
+                 shape: TreeShape | None = None):
         """Speculative decoding. Without FSD (fsd=None, fsd_threshold=None) greedy output is token-for-token the
         target's own greedy output and sampling output follows the target's processed distribution exactly. With
         fsd=FsdConfig(threshold=T, ...), a draft token is also accepted when Div(target, draft) at its parent is under
         T (see eagle_fsd/fsd.py); fsd_threshold=T is short for fsd=FsdConfig(threshold=T) (pass one or the other).
         With tuned (auto) settings a speed guard decodes plainly while speculation measures slower than plain
         decoding (`GenerateOutput.plain_steps`); output is unchanged by it.
-        profile: on CUDA, synchronise at each phase so that `phase_seconds` is exact."""
+        profile: on CUDA, synchronise at each phase so that `phase_seconds` is exact.
+        shape: the draft tree of this call, as given (no speed guard); None: the model's own."""
         if self.drafter is None:
             raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
                              "or use naive_generate for plain decoding")
         fsd = resolve_fsd(fsd, fsd_threshold)
-        return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
-                              return_dict, eos_token_id, fsd, profile)
+        with self._drafting_for(shape):
+            return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
+                                  return_dict, eos_token_id, fsd, profile, shape)
+
+    def _drafting_for(self, shape: TreeShape | None):
+        """The drafter over `shape`'s draft vocabulary for one call, when it is not the model's own."""
+        if shape is None or shape.draft_vocab == self._shape.draft_vocab:
+            return nullcontext()
+        return self.drafter.drafting_over(self._draft_vocab_ids(shape.draft_vocab))
 
     @torch.no_grad()
     def naive_generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
@@ -249,7 +229,7 @@ class EaFsdModel(torch.nn.Module):
                  top_p=top_p if 0 < top_p < 1 else 1.0, top_k=int(top_k), return_dict=True, eos_token_id=eos)
         return (out.sequences, out.new_tokens, out.verify_steps - 1) if log else out.sequences
 
-    def _check_generate_args(self, input_ids, max_new_tokens):
+    def _check_generate_args(self, input_ids, max_new_tokens, shape: TreeShape):
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape (1, prompt_len); got {tuple(input_ids.shape)} "
                              "(batch size > 1 is not supported)")
@@ -258,8 +238,8 @@ class EaFsdModel(torch.nn.Module):
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
         vocab = self.base_model.config.vocab_size
-        if self.top_k > vocab:
-            raise ValueError(f"top_k={self.top_k} exceeds the vocabulary size {vocab}")
+        if shape.branching > vocab:
+            raise ValueError(f"tree branching (EAGLE's top_k) {shape.branching} exceeds the vocabulary size {vocab}")
         context = getattr(self.base_model.config, "max_position_embeddings", None)
         needed = input_ids.shape[1] + max_new_tokens
         if context is not None and needed > context:
@@ -268,36 +248,38 @@ class EaFsdModel(torch.nn.Module):
                              "max_new_tokens")
 
     def _generate(self, input_ids, drafter, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
-                  eos_token_id, fsd: FsdConfig | None = None, profile: bool = False):
+                  eos_token_id, fsd: FsdConfig | None = None, profile: bool = False, shape: TreeShape | None = None):
+        """The loop; with `shape` (not the model's own) the tree is run as given, without the speed guard."""
         processor = logits_processor(temperature, top_p, top_k)
-        self._check_generate_args(input_ids, max_new_tokens)
+        tree_shape = shape or self._shape
+        self._check_generate_args(input_ids, max_new_tokens, tree_shape)
         start = time.perf_counter()
         prompt = input_ids[0].to(self.base_model.device)
         eos = eos_token_ids(self.base_model, eos_token_id)
-        tree_room = self.total_token + 1 if drafter is not None else 1
+        tree_room = tree_shape.total_token + 1 if drafter is not None else 1
         cache = TreeCache(self.base_model.config.num_hidden_layers, prompt.numel() + max_new_tokens + tree_room)
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
         # Prefill: the target reads the prompt and chooses the first new token, which roots the first tree.
         n = prompt.numel()
-        layers = getattr(drafter, "feature_layers", None)  # EAGLE-3 reads the hidden states entering these layers
+        layers = None if drafter is None else drafter.feature_layers  # EAGLE-3: hidden states entering these layers
         hidden, features = decoder_outputs(self.base_model, prompt, cache, causal_mask(0, n, prompt.device),
                                            torch.arange(n, device=prompt.device), self.attention, layers)
         root = choose_tokens(self.base_model.get_output_embeddings()(hidden[-1:]), processor)[0]
         reader = None
         if drafter is not None:
-            reader = DrafterReader(drafter, cache.max_len + self.depth * self.top_k, prompt, root, features)
+            reader = DrafterReader(drafter, cache.max_len + tree_shape.level_room, prompt, root, features)
 
         generated: list[int] = []
         out = GenerateOutput(sequences=input_ids)
         done = self._emit(generated, out.fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
-        guard = self._speed_guard() if drafter is not None else None
+        guard = None if drafter is None else self._speed_guard() if shape is None else SpeedGuard(None)
         clock = PhaseClock(sync=profile)
         while not done:
             step_start = clock.last
             speculate = drafter is not None and guard.speculate()
-            tree = self._draft(reader, root) if speculate else chain_tree(root.reshape(1))
+            tree = self._draft(reader, root, tree_shape) if speculate else chain_tree(root.reshape(1))
             clock.lap("draft")
             step, features, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock, layers)
             out.record(step, plain=drafter is not None and not speculate)
@@ -314,10 +296,10 @@ class EaFsdModel(torch.nn.Module):
         out.finish(input_ids, generated, time.perf_counter() - start, clock.seconds)
         return out if return_dict else out.sequences
 
-    def _draft(self, reader: DrafterReader, root: torch.Tensor):
+    def _draft(self, reader: DrafterReader, root: torch.Tensor, shape: TreeShape):
         """The next draft tree, after the drafter caught up on what it missed."""
         root_logits, root_state = reader.at_root()
-        return grow_tree(reader.drafter, root, root_logits, root_state, self.total_token, self.depth, self.top_k)
+        return grow_tree(reader.drafter, root, root_logits, root_state, shape)
 
     def _verify_and_accept(self, tree, cache: TreeCache, processor, fsd: FsdConfig | None, clock: PhaseClock,
                            layers: tuple[int, ...] | None = None):
@@ -339,9 +321,9 @@ class EaFsdModel(torch.nn.Module):
 
     def _speed_guard(self) -> SpeedGuard:
         """The never-slower-than-plain guard: on with tuned settings (it needs the measured plain rate)."""
-        if self.tuning is None:
+        if self._tuning is None:
             return SpeedGuard(None)
-        t = self.tuning
+        t = self._tuning
         if not t.speculate:  # predicted to lose: plain first, speculation re-tried after 128 tokens
             return SpeedGuard(t.plain_ms, t.verify_ms, backoff=128, start_plain=True)
         return SpeedGuard(t.plain_ms, t.verify_ms)
@@ -376,3 +358,8 @@ class EaFsdModel(torch.nn.Module):
                 streamer.put_fuzzy_mask(new_fuzzy[: len(kept)])
             streamer.put(torch.tensor(kept))
         return (bool(kept) and kept[-1] in eos) or len(generated) >= max_new_tokens
+
+
+def load_model(settings: Settings) -> EaFsdModel:
+    """EaFsdModel for a command's settings (eagle_fsd.loading.load_model)."""
+    return loading.load_model(EaFsdModel, settings)

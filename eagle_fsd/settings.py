@@ -3,15 +3,12 @@
 Every command that loads a model (run, chat, mtbench, bench, sweep) defines its model / tree / sampling / FSD flags
 with add_model_args and add_fsd_args (one definition, one set of defaults: EAGLE's flag names where it has one) and
 turns the parsed flags into these dataclasses with `from_args`, the only code that reads an argparse Namespace.
-Library code (load_model, prompts.generate_reply, the harness functions, ChatSession) takes the dataclasses.
+Library code (loading.load_model, prompts.generate_reply, the harness functions, ChatSession) takes the dataclasses.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from eagle_fsd.attention import BACKENDS
 from eagle_fsd.dtypes import DTYPES
@@ -183,45 +180,3 @@ def parse_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> Sett
         return Settings.from_args(args)
     except ValueError as err:
         p.error(str(err))
-
-
-# ---------------------------------------------------------------- loading
-def torch_dtype(name: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "auto": "auto"}[name]
-
-
-def is_eagle_head(path: str) -> bool:
-    """A local directory whose weights hold EAGLE's `fc` layer (the feature/embedding fusion no causal LM has)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return False
-    if (folder / "model.safetensors").is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            return "fc.weight" in f.keys()
-    if (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
-        return "fc.weight" in state
-    return False
-
-
-def load_model(settings: Settings):
-    """EaFsdModel for `settings`; a drafter directory holding an EAGLE head is loaded as one. Speculative decoding
-    (not the baseline) needs a drafter: none is a usage error."""
-    from eagle_fsd.model import EaFsdModel
-
-    m, tree = settings.model, settings.tree
-    if m.threads:
-        torch.set_num_threads(m.threads)
-    head, lm = m.ea_model_path, m.drafter
-    if lm is not None and head is None and is_eagle_head(lm):
-        head, lm = lm, None
-    model = EaFsdModel.from_pretrained(m.model, ea_model_path=head, draft_model=lm, total_token=tree.total_token,
-                                       depth=tree.depth, top_k=tree.top_k, dtype=torch_dtype(m.dtype),
-                                       device_map=m.device, attention=m.attention,
-                                       prepack=m.prepack, draft_quant=m.draft_quant)
-    if model.drafter is None and not settings.generation.baseline:
-        raise SystemExit(f"{m.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
-                         "--ea-model-path HEAD, or --baseline for plain decoding")
-    return model

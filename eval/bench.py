@@ -21,15 +21,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle_fsd.dtypes import dtype_name, torch_dtype
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.model import load_model
 from eagle_fsd.prepack import unpacked
 from eagle_fsd.quant import original_weights, quant_bits
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import device_name
 from eagle_fsd.prompts import PromptFormat
-from eagle_fsd.presets import resolve_model
-from eagle_fsd.settings import (Settings, add_fsd_args, add_model_args, add_threads_arg, load_model, parse_settings,
-                                torch_dtype)
+from eagle_fsd.presets import drafter_label, resolve_model
+from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 
 PHASES = ("draft", "verify", "accept", "cache", "other")
 
@@ -89,7 +91,7 @@ def methods_for(model, job: BenchJob) -> dict:
                                                     dtype=torch_dtype(name)).eval()
         methods[f"hf-generate {name}"] = hf_method(copy, n)
         hf_method(copy, 4)(torch.tensor([[1, 2, 3, 4]]))  # warm-up, as for the loaded model in `run`
-    assistant = getattr(model.drafter, "model", None)
+    assistant = model.drafter.assistant_model
     if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)
     methods["eagle-fsd"] = lambda ids: model.generate(ids, max_new_tokens=n, return_dict=True)
@@ -111,22 +113,12 @@ def full_drafter_method(model, max_new_tokens: int):
 
 
 def fixed_tree_method(model, spec: str, max_new_tokens: int):
-    shape = tuple(int(x) for x in spec.split(","))
-    if len(shape) != 3:
+    """`spec` "TOTAL_TOKEN,DEPTH,TOP_K": that tree, the drafter's full vocabulary, no speed guard."""
+    values = tuple(int(x) for x in spec.split(","))
+    if len(values) != 3:
         raise SystemExit(f"--also-tree {spec!r}: expected TOTAL_TOKEN,DEPTH,TOP_K e.g. 24,5,4")
-
-    def run(ids):
-        saved = (model.total_token, model.depth, model.top_k), model.drafter.draft_head.draft_vocab, model.tuning
-        model.set_tree(*shape)
-        model.drafter.draft_head.set_draft_vocab(None)
-        model.tuning = None
-        try:
-            return model.generate(ids, max_new_tokens=max_new_tokens, return_dict=True)
-        finally:
-            model.set_tree(*saved[0])
-            model.drafter.draft_head.set_draft_vocab(saved[1])
-            model.tuning = saved[2]
-    return run
+    shape = TreeShape(*values)
+    return lambda ids: model.generate(ids, max_new_tokens=max_new_tokens, return_dict=True, shape=shape)
 
 
 def run(job: BenchJob) -> dict:
@@ -181,12 +173,10 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
         if name != "hf-generate" and not name.startswith("fsd"):
             row["identical_to_hf_generate"] = f"{int(t['identical'])}/{len(ids_list)}"
         rows.append(row)
-    from eagle_fsd.presets import drafter_label
-
     m = settings.model
     draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
     result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
-              "dtype": str(model.base_model.dtype).replace("torch.", ""), "questions": len(ids_list),
+              "dtype": dtype_name(model.base_model.dtype), "questions": len(ids_list),
               "max_new_tokens": settings.generation.max_new_tokens, "tree": [model.total_token, model.depth, model.top_k],
               "threads": torch.get_num_threads(), "device": device_name(model.base_model.device),
               "draft_weights": f"int{draft_bits}" if draft_bits else "as loaded", "rows": rows}

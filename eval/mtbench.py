@@ -26,9 +26,9 @@ from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.presets import drafter_label
+from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
-from eagle_fsd.settings import (GenerationSettings, Settings, add_fsd_args, add_model_args, load_model,
-                                parse_settings)
+from eagle_fsd.settings import GenerationSettings, Settings, add_fsd_args, add_model_args, parse_settings
 
 RECORD_VERSION = 1
 

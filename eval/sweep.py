@@ -24,9 +24,9 @@ from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.eval import gsm8k, humaneval
 from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
 from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
-from eagle_fsd.settings import (GenerationSettings, Settings, add_fsd_args, add_model_args, load_model,
-                                parse_settings)
+from eagle_fsd.settings import GenerationSettings, Settings, add_fsd_args, add_model_args, parse_settings
 
 BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k}
 PLAIN, LOSSLESS = "plain", "lossless"

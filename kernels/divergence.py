@@ -48,7 +48,7 @@ import torch
 import triton
 
 from .divergence_triton import _div_combine_kernel, _div_fused_kernel, _div_partial_kernel, _div_stats_kernel
-from .tree_attention import _next_pow2, kernel_available
+from .tree_attention import _next_pow2, kernel_available, num_sms
 
 __all__ = ["fused_divergence", "fused_divergence_available", "divergence_reference", "FUSED_DIVERGENCES"]
 
@@ -68,18 +68,6 @@ last_launch = None  # (splits, config) of the latest call; for gpu_check / debug
 def fused_divergence_available(device) -> bool:
     """Whether :func:`fused_divergence` can run on ``device``: CUDA, or CPU under the Triton interpreter."""
     return kernel_available(device)
-
-
-_SM_COUNT = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _split_plan(rows: int, vocab: int, block_v: int, num_sms: int, num_splits: Optional[int]):
@@ -200,7 +188,7 @@ def fused_divergence(
     block_v, num_warps = _launch_config(config)
     if num_splits is None and _INTERPRETING:
         num_splits = 1  # no parallelism to gain on the CPU interpreter
-    splits, chunk = _split_plan(t2.shape[0], vocab, block_v, _num_sms(device), num_splits)
+    splits, chunk = _split_plan(t2.shape[0], vocab, block_v, num_sms(device), num_splits)
     global last_launch
     last_launch = (splits, {"BLOCK_V": block_v, "num_warps": num_warps})
     if t2.shape[0] == 0:

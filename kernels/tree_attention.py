@@ -208,7 +208,9 @@ def _launch_config(m_cap: int, head_dim: int, dtype: torch.dtype) -> dict:
 _SM_COUNT = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the kernels size their split-KV / split-vocabulary grids by it);
+    elsewhere (the Triton CPU interpreter) the 8 of a small GPU, so that the split paths run as they would there."""
     if device.type != "cuda":
         return 8
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -223,7 +225,7 @@ def _choose_splits(prefix: int, programs: int, device: torch.device, num_splits:
         return 1, 0
     if num_splits is None:
         min_chunk = 512
-        target = 2 * _num_sms(device)
+        target = 2 * num_sms(device)
         num_splits = min(32, -(-target // max(programs, 1)), -(-prefix // min_chunk))
     num_splits = max(1, min(int(num_splits), prefix))
     if num_splits == 1:

@@ -1,4 +1,5 @@
 """The `eagle-fsd` command end to end on the real SmolLM2 preset (drafting for itself: a valid, fast drafter)."""
+import re
 import subprocess
 import sys
 
@@ -12,12 +13,24 @@ def eagle_fsd(*args, timeout=300):
                           timeout=timeout)
 
 
-def test_run_prints_speed_tau_and_speedup():
+def test_run_reports_what_it_measured():
+    """The figures `run` prints agree with each other: the rate is tokens / seconds, tau lies within what a tree of
+    8 nodes can give and accounts for the tokens over the steps, the speedup is the ratio of the two rates, and in
+    fp32 greedy the output is HF generate's, token for token (as many tokens)."""
     r = eagle_fsd("run", "--model", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct", "--dtype", "fp32",
-                  "--max-new-tokens", "24", "--total-token", "8", "--top-k", "2", "--prompt", "Say hello.")
+                  "--max-new-tokens", "24", "--total-token", "8", "--depth", "3", "--top-k", "2", "--prompt", "Say hello.")
     assert r.returncode == 0, r.stderr
-    assert "tokens/s" in r.stdout and "tau = " in r.stdout
-    assert "speedup:" in r.stdout and "(identical output)" in r.stdout
+    ours = re.search(r"eagle-fsd: (\d+) tokens in ([\d.]+) s = ([\d.]+) tokens/s, tau = ([\d.]+) tokens per target "
+                     r"forward \((\d+) verification steps\)", r.stdout)
+    hf = re.search(r"HF generate: (\d+) tokens in ([\d.]+) s = ([\d.]+) tokens/s", r.stdout)
+    speedup = re.search(r"speedup: +([\d.]+)x \((.*)\)", r.stdout)
+    assert ours and hf and speedup, r.stdout
+    tokens, seconds, rate, tau, steps = (float(x) for x in ours.groups())
+    assert 0 < tokens <= 24 and tokens == float(hf.group(1))
+    assert rate == pytest.approx(tokens / seconds, rel=0.02)
+    assert 1.0 <= tau <= 8.0 and tokens - 1 <= tau * steps + 0.01 * steps  # the first token comes from prefill
+    assert float(speedup.group(1)) == pytest.approx(rate / float(hf.group(3)), rel=0.02, abs=0.01)
+    assert speedup.group(2) == "identical output"
 
 
 def test_run_rejects_bad_arguments_clearly():

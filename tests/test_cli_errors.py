@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from eagle_fsd import cli, presets, settings
+from eagle_fsd import cli, model, presets, settings
 from eagle_fsd.model import EaFsdModel
 
 UNKNOWN = "no-such-org/no-such-model"
@@ -24,7 +24,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded although the arguments are invalid")
 
-    monkeypatch.setattr(settings, "load_model", refuse)
+    monkeypatch.setattr(model, "load_model", refuse)
     monkeypatch.setattr(EaFsdModel, "from_pretrained", refuse)
 
 

@@ -364,10 +364,6 @@ def test_top_k_coarse_graining_never_increases():
         assert torch.all(topk <= full + 1e-5), name
 
 
-def test_default_top_k_constant():
-    assert DEFAULT_TOP_K == 50
-
-
 # ----------------------------------------------------------------------------- errors and vocab alignment
 
 

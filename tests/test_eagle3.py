@@ -19,6 +19,7 @@ from eagle_fsd.eagle3 import (Eagle3Head, aux_hidden_indices, detect_layout, is_
                               read_format)
 from eagle_fsd.eagle3_export import export_config, save_eagle3_head
 from eagle_fsd.hf import causal_mask
+from eagle_fsd.tree.shape import TreeShape
 from tiny import tiny_model
 
 H, V, DV, N_LAYERS = 64, 1000, 100, 8
@@ -393,7 +394,7 @@ def test_drafter_grows_a_tree_over_the_draft_vocabulary(tmp_path, target):
         root_logits, root_state = drafter.prefill(prompt, root, features)
         want_hidden, want_logits = head(target.get_input_embeddings()(torch.cat([prompt[1:], root[None]]))[None],
                                         features[None], torch.arange(6)[None], causal_mask(0, 6, "cpu"))
-        tree = grow_tree(drafter, root, root_logits, root_state, total_token=12, depth=3, top_k=3)
+        tree = grow_tree(drafter, root, root_logits, root_state, TreeShape(12, 3, 3))
     torch.testing.assert_close(root_logits, want_logits[0, -1], atol=TOL, rtol=TOL)
     torch.testing.assert_close(root_state, want_hidden[0, -1], atol=TOL, rtol=TOL)
     assert tree.size == 12 and drafter.cache.get_seq_length() == drafter.length == 6

@@ -550,3 +550,30 @@ def test_qkv_bias_flag_must_match_weights(tmp_path, target):
     path = write_head(tmp_path / "b", plain, published_config(qkv_bias=True))
     with pytest.raises(ValueError, match=r"missing \[.*q_proj\.bias"):
         load_eagle_head(path, target)
+
+
+# ----------------------------------------------------------------------------- the loader's head-kind detector
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_a_drafter_directory_holding_a_head_is_loaded_as_one(tmp_path, target, fmt):
+    """--drafter DIR / draft_model=DIR: a directory whose weights hold EAGLE's fc is a head (config.json then says
+    which kind); an LM directory, a hub id or a loaded model stays an LM; a head named as one is read by config."""
+    from eagle_fsd.loading import build_drafter, drafter_source
+
+    head_dir = str(write_head(tmp_path / "head", our_published_state(target), published_config(), fmt=fmt))
+    assert drafter_source("not-a-preset", None, head_dir) == ("eagle", head_dir)
+    assert drafter_source("not-a-preset", head_dir, None) == ("eagle", head_dir)
+    lm_dir = tmp_path / "lm"
+    lm_dir.mkdir()
+    assert drafter_source("not-a-preset", None, str(lm_dir)) == ("lm", str(lm_dir))
+    assert drafter_source("not-a-preset", None, "some-org/some-lm") == ("lm", "some-org/some-lm")
+    assert drafter_source("not-a-preset", None, None) == (None, None)
+    assert isinstance(build_drafter("eagle", head_dir, target, None), EagleDrafter)
+
+
+def test_requested_tree_fills_unset_values_and_checks_before_loading():
+    from eagle_fsd.loading import requested_tree
+
+    assert requested_tree(True, (None, 3, None)) == ({"depth": 3}, ["total_token", "branching"])
+    assert requested_tree(False, (None, None, 4)) == ({"total_token": 60, "depth": 5, "branching": 4}, [])
+    with pytest.raises(ValueError, match="branching"):
+        requested_tree(False, (8, 3, 0))

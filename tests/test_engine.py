@@ -153,3 +153,61 @@ def test_greedy_with_triton_tree_attention(kind, monkeypatch):
     assert len(calls) >= 2 * 2 * out.verify_steps  # at least every verification layer of the target and drafter
     assert torch.equal(out.sequences, hf_greedy(target, ids, 12))
     assert out.tau > 1.5
+
+
+# ----------------------------------------------------------------------------- the tree shape, a value
+def test_a_shape_passed_to_generate_runs_as_given_and_leaves_the_model_alone(monkeypatch):
+    """generate(shape=...) drafts trees of that shape (at most total_token nodes, branching children at the root)
+    without the speed guard; the model keeps its own shape and tuning, and greedy output is still the target's."""
+    from eagle_fsd import drafters, model as model_module
+    from eagle_fsd.tree.shape import TreeShape
+
+    target, model = self_drafting_model()
+    trees = []
+    grow = drafters.grow_tree
+    monkeypatch.setattr(model_module, "grow_tree", lambda *a: trees.append((a[-1], grow(*a))) or trees[-1][1])
+    monkeypatch.setattr(model, "_speed_guard", lambda: pytest.fail("an explicit shape runs without the guard"))
+    ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = model.generate(ids, max_new_tokens=20, eos_token_id=[], return_dict=True, shape=TreeShape(5, 2, 3))
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 20))
+    assert trees and all(shape == TreeShape(5, 2, 3) and tree.size <= 5 for shape, tree in trees)
+    assert model.shape == TreeShape(12, 5, 1) and (model.total_token, model.depth, model.top_k) == (12, 5, 1)
+    with pytest.raises(AttributeError):
+        model.top_k = 3  # EAGLE's names read the shape; nothing assigns them
+
+
+@pytest.mark.parametrize("bad", [dict(total_token=0), dict(depth=-1), dict(branching=0), dict(branching=True),
+                                 dict(draft_vocab=-1)])
+def test_tree_shape_refuses_what_no_tree_has(bad):
+    from eagle_fsd.tree.shape import TreeShape
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TreeShape(**{"total_token": 8, "depth": 3, "branching": 2, **bad})
+    assert TreeShape(8, 3, 2).level_room == 6 and TreeShape(8, 3, 2).eagle() == (8, 3, 2)
+
+
+@pytest.mark.parametrize("drafter_kind", ["lm", "eagle"])
+def test_drafters_share_the_step_contract(drafter_kind):
+    """rewind(n) forgets all read after n inputs: extending again from there gives the same logits; a level's
+    scratch is dropped by rollback; drafting_over restores the vocabulary it found."""
+    target = tiny_model("llama", seed=1)
+    drafter = make_drafter(drafter_kind, target, "llama")
+    ids = torch.randint(0, 1000, (9,), generator=torch.Generator().manual_seed(5))
+    hidden = torch.randn(9, target.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    drafter.reset(32)
+    drafter.prefill(ids[:5], ids[5], hidden[:5])
+    length = drafter.length
+    first, _ = drafter.extend(ids[6:8], hidden[5:7])
+    drafter.forward_level(ids[8:9], None if drafter_kind == "lm" else hidden[7:8], 0, torch.ones(1, 1, dtype=torch.bool))
+    drafter.rollback()
+    assert drafter.cache.get_seq_length() == length + 2
+    drafter.rewind(length)
+    assert drafter.length == length and drafter.cache.get_seq_length() == length
+    again, _ = drafter.extend(ids[6:8], hidden[5:7])
+    torch.testing.assert_close(again, first)
+    ids_kept = torch.arange(0, 1000, 3)
+    with drafter.drafting_over(ids_kept):
+        assert drafter.draft_vocab is ids_kept and drafter.extend(ids[8:9], hidden[7:8])[0].shape == (334,)
+    assert drafter.draft_vocab is None
+    assert drafter.auto_quant == (drafter_kind == "lm") and drafter.feature_layers is None
+    assert (drafter.assistant_model is not None) == (drafter_kind == "lm")

@@ -148,17 +148,3 @@ def test_fused_kernel_names_are_fsd_names():
 
     assert FUSED_DIVERGENCES and set(FUSED_DIVERGENCES) <= set(DIVERGENCES)
 
-
-def test_tree_does_not_import_fsd():
-    """Layering kernels <- tree <- fsd: the tree walk takes FSD's decisions as plain tensors."""
-    import ast
-    import pathlib
-
-    import eagle_fsd.tree
-
-    for path in pathlib.Path(eagle_fsd.tree.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(n.startswith(("eagle_fsd.fsd", "eagle_fsd.divergence", "eagle_fsd.model")) for n in names), \
-                (path, names)

@@ -1,8 +1,12 @@
 """One dependency direction: every module of the package is in a layer, and imports only its own layer or lower.
 
-    kernels < tree < fsd < drafting < engine < apps < entry
+    kernels < tree < fsd < weights < drafting < tune < loading < engine < apps < entry
 
-Apps are siblings: chat, train and eval (one group; eval modules may import each other) never import each other.
+weights: how linear weights are stored and multiplied, for target and drafter alike (dtype names, oneDNN prepacking,
+int4 / int8); drafting: the forward machinery (attention, cache, hf) and the drafters; tune: the cost model, which
+drives a model it is given; loading: names and options to a ready model (presets, settings, the loader); engine: the
+generation loop, which calls the loader it is built by (EaFsdModel.from_pretrained). Apps are siblings: chat, train
+and eval (one group; eval modules may import each other) never import each other.
 Imports inside functions count too: a lazy import is still a dependency."""
 import ast
 from pathlib import Path
@@ -12,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = {"eagle_fsd": "eagle_fsd", "tree": "eagle_fsd.tree", "kernels": "eagle_fsd.kernels",
                "eval": "eagle_fsd.eval"}  # folder -> installed package (pyproject's package-dir)
-LAYERS = ("kernels", "tree", "fsd", "drafting", "engine", "apps", "entry")
+LAYERS = ("kernels", "tree", "fsd", "weights", "drafting", "tune", "loading", "engine", "apps", "entry")
 
 # A key maps that module and, if it is (or becomes) a package, every module inside it; "eagle_fsd" maps only itself.
 LAYER_OF = {
@@ -21,6 +25,9 @@ LAYER_OF = {
     "eagle_fsd.fsd": "fsd",
     "eagle_fsd.divergence": "fsd",
     "eagle_fsd.sampling": "fsd",
+    "eagle_fsd.dtypes": "weights",
+    "eagle_fsd.prepack": "weights",
+    "eagle_fsd.quant": "weights",
     "eagle_fsd.attention": "drafting",
     "eagle_fsd.cache": "drafting",
     "eagle_fsd.hf": "drafting",
@@ -29,18 +36,15 @@ LAYER_OF = {
     "eagle_fsd.eagle3": "drafting",
     "eagle_fsd.eagle3_export": "drafting",
     "eagle_fsd.files": "drafting",  # cache_dir, sha256_file, package_file
+    "eagle_fsd.tune": "tune",
+    "eagle_fsd.presets": "loading",
+    "eagle_fsd.settings": "loading",
+    "eagle_fsd.loading": "loading",
     "eagle_fsd": "engine",
     "eagle_fsd.model": "engine",
-    "eagle_fsd.loading": "engine",
     "eagle_fsd.guard": "engine",
-    "eagle_fsd.dtypes": "drafting",
-    "eagle_fsd.prepack": "drafting",
-    "eagle_fsd.quant": "drafting",
-    "eagle_fsd.tune": "engine",
-    "eagle_fsd.tune.cli": "apps",  # `eagle-fsd tune`: its --mtbench analysis reads the MT-Bench questions
-    "eagle_fsd.presets": "engine",
-    "eagle_fsd.settings": "engine",
     "eagle_fsd.prompts": "engine",
+    "eagle_fsd.tune.cli": "apps",  # `eagle-fsd tune`: loads a model; its --mtbench analysis reads the MT-Bench questions
     "eagle_fsd.chat": "apps",
     "eagle_fsd.train": "apps",
     "eagle_fsd.eval": "apps",
@@ -122,6 +126,17 @@ def test_imports_go_down_the_layers():
     ("eagle_fsd.eval.data", "eagle_fsd.train", False),
     ("eagle_fsd.cli", "eagle_fsd.eval.bench", True),
     ("eagle_fsd.settings", "eagle_fsd.cli", False),
+    ("eagle_fsd.tree.accept", "eagle_fsd.fsd", False),
+    ("eagle_fsd.settings", "eagle_fsd.model", False),
+    ("eagle_fsd.tune.measure", "eagle_fsd.model", False),
+    ("eagle_fsd.tune.store", "eagle_fsd.presets", False),
+    ("eagle_fsd.drafters", "eagle_fsd.tune", False),
+    ("eagle_fsd.drafters", "eagle_fsd.prepack", True),
+    ("eagle_fsd.prepack", "eagle_fsd.drafters", False),
+    ("eagle_fsd.model", "eagle_fsd.loading", True),
+    ("eagle_fsd.loading", "eagle_fsd.model", False),
+    ("eagle_fsd.loading", "eagle_fsd.tune", True),
+    ("eagle_fsd.tune.cli", "eagle_fsd.model", True),
 ])
 def test_the_rule_itself(importer, imported, allowed):
     assert (violation(importer, imported) is None) == allowed

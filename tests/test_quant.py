@@ -157,8 +157,20 @@ def test_int4_replaces_a_prepacked_drafter():
     assert quant_bits(draft) == 4 and isinstance(draft.lm_head, QuantLinear)
 
 
-@needs[4]
-def test_kernel_timing_has_int4_kinds():
-    """dtype/draft_quant "auto" time int4 with the activations the drafter will feed it (bf16 or fp32)."""
-    ms = tune_dtype.mlp_kernel_ms(256, 1024, ("bf16", "int4", "int4-fp32"), rows=(1, 2))
-    assert set(ms) == {"bf16", "int4", "int4-fp32"} and all(t > 0 for t in ms.values())
+@pytest.mark.parametrize("current, int4, int4_ms, chosen", [
+    ("bf16", "int4", 1.0, True), ("bf16", "int4", 3.0, False),
+    ("fp32-packed", "int4-fp32", 1.0, True), ("fp32", "int4-fp32", 3.0, False),
+])
+def test_int4_is_chosen_when_it_times_faster_with_the_drafters_activations(monkeypatch, current, int4, int4_ms,
+                                                                          chosen):
+    """draft_quant "auto": int4 against the drafter's own kernel, fed the activations it will get (bf16 or fp32),
+    over a draft level's few rows; chosen exactly when it times faster."""
+    timed = []
+
+    def fake_ms(hidden, intermediate, kinds, rows):
+        timed.append((kinds, rows))
+        return {current: 2.0, int4: int4_ms}
+
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", fake_ms)
+    assert tune_dtype.int4_measures_faster.__wrapped__(256, 1024, current) is chosen
+    assert timed == [((current, int4), (1, 2, 4))]

@@ -7,6 +7,7 @@ from eagle_fsd.drafters import LMDrafter, grow_tree
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.tree.accept import accept
 from eagle_fsd.tree.dynamic import DraftPool, chain_tree, select_tree
+from eagle_fsd.tree.shape import TreeShape
 from tiny import tiny_model
 
 
@@ -103,7 +104,7 @@ def test_tree_verification_branch_by_branch(kind):
     root = prefix[-1]
     drafter.reset(128)
     root_lp, state = drafter.prefill(prefix[:-1], root)
-    tree = grow_tree(drafter, root, root_lp, state, total_token=25, depth=4, top_k=4)
+    tree = grow_tree(drafter, root, root_lp, state, TreeShape(total_token=25, depth=4, branching=4))
     assert tree.depths.max() > 1
     hidden = decoder_forward(target, tree.tokens, cache, prefix_tree_mask(8, tree.tree_mask), 8 + tree.depths)
     tree_logits = target.lm_head(hidden)

@@ -13,6 +13,7 @@ from eagle_fsd.fsd import FsdConfig, node_divergences
 from eagle_fsd.model import EaFsdModel, SpeedGuard
 from eagle_fsd.tree.accept import accept
 from eagle_fsd.tree.dynamic import DraftPool, grow_pool, select_tree
+from eagle_fsd.tree.shape import TreeShape
 from tiny import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -170,12 +171,14 @@ def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path))
     target = tiny_model("llama", seed=1)
     hopeless = tiny_model("llama", seed=9, num_hidden_layers=6)  # random, and costlier than the target
-    model = EaFsdModel(target, WordTokenizer(), LMDrafter(hopeless, 1000), 8, 2, 2)
+    drafter = LMDrafter(hopeless, 1000)
+    measured = EaFsdModel(target, WordTokenizer(), drafter, 8, 2, 2)
     settings = tune.TuneSettings(prompts=2, new_tokens=16, top_ks=(1, 2), max_depth=2, sizes=(2, 3, 4, 6, 8),
                                  rounds=2)
-    tuning = tune.autotune(model, "tiny-target", "tiny-hopeless", auto=["total_token", "depth", "top_k"],
-                           fixed={}, progress=False, settings=settings)
+    tuning = tune.autotune(measured, "tiny-target", "tiny-hopeless", fixed={}, progress=False, settings=settings)
     assert not tuning.speculate and tuning.predicted_speedup < 1
+    assert measured.shape == TreeShape(8, 2, 2) and measured.tuning is None  # measured, not changed
+    model = EaFsdModel(target, WordTokenizer(), drafter, shape=tuning.tree, tuning=tuning)  # what the loader builds
     assert tuning.prefill_ms > 0 and tuning.draft_prefill_ms > 0  # both prefills timed per prompt token
     assert list(tmp_path.glob("tune/*.json"))  # cached as readable JSON
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
@@ -207,7 +210,12 @@ def test_cache_key_separates_packed_kernels_and_cpu_caps(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- dtype "auto"
-def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
+@pytest.mark.parametrize("packs, auto_kinds, on_kinds", [
+    ({torch.float32, torch.bfloat16}, ("fp32", "fp32-packed", "bf16", "bf16-packed"), ("fp32-packed", "bf16-packed")),
+    ({torch.float32}, ("fp32", "fp32-packed", "bf16"), ("fp32-packed", "bf16")),  # oneDNN without bf16 support
+])
+def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch, packs, auto_kinds, on_kinds):
+    monkeypatch.setattr(tune_dtype, "prepack_supported", lambda dtype, device: dtype in packs)
     monkeypatch.setattr(tune_dtype, "cpu_flags", lambda: {"avx2", "fma"})  # an AVX2-only CPU
     assert not tune.native_bf16()
     assert tune.resolve_dtype("auto") == torch.float32
@@ -225,12 +233,9 @@ def test_dtype_auto_is_fp32_without_native_bf16(monkeypatch):
     monkeypatch.setattr(tune_dtype, "fastest_kind", fastest("fp32"))  # native, slower measured
     assert tune.resolve_dtype("auto") == torch.float32
     # each dtype is timed as it may run: plain and packed under "auto", packed only under "on", plain under "off"
-    fp32_packs = tune_dtype.prepack_supported(torch.float32, "cpu")
-    bf16_packs = tune_dtype.prepack_supported(torch.bfloat16, "cpu")
-    expected = (("fp32", "fp32-packed") if fp32_packs else ("fp32",)) + (("bf16", "bf16-packed") if bf16_packs else ("bf16",))
-    assert timed[-1] == expected
+    assert timed[-1] == auto_kinds
     tune.resolve_dtype("auto", prepack="on")
-    assert timed[-1] == ("fp32-packed" if fp32_packs else "fp32", "bf16-packed" if bf16_packs else "bf16")
+    assert timed[-1] == on_kinds
     tune.resolve_dtype("auto", prepack="off")
     assert timed[-1] == ("fp32", "bf16")
     assert tune.resolve_dtype(torch.float16) == torch.float16

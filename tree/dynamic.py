@@ -123,15 +123,16 @@ def top_logprobs(logits: torch.Tensor, top_k: int, draft_vocab: torch.Tensor | N
     return logprobs, tokens
 
 
-def grow_pool(forward_level, root_logits: torch.Tensor, root_state, depth: int, top_k: int,
+def grow_pool(forward_level, root_logits: torch.Tensor, root_state, depth: int, branching: int,
               draft_vocab: torch.Tensor | None = None) -> DraftPool:
-    """EAGLE-2 drafting: the root's top_k children, then `depth` draft forwards, each over the top_k nodes of the
-    newest level with the best cumulative log-prob, adding their top_k children.
+    """EAGLE-2 drafting: the root's `branching` best children, then `depth` draft forwards, each over the
+    `branching` nodes of the newest level with the best cumulative log-prob, adding their `branching` best children
+    (EAGLE's top_k).
 
     forward_level(tokens (k,), parent_states, level, level_mask (k, k * (level + 1))) -> (logits (k, V_draft),
     states): one draft forward over a level's nodes, each seeing its ancestors of earlier levels and itself."""
     device = root_logits.device
-    k = top_k
+    k = branching
     root_lp, root_tokens = top_logprobs(root_logits[None], k, draft_vocab)
     frontier_tokens, frontier_scores = root_tokens[0], root_lp[0]
     frontier_pool = torch.arange(1, k + 1, device=device)

@@ -2,25 +2,28 @@
 the profile; and the cost-curve plot."""
 from __future__ import annotations
 
+import argparse
+
 import torch
 
+from eagle_fsd.dtypes import dtype_name
+from eagle_fsd.eval.data import load_questions
+from eagle_fsd.loading import drafter_name as preset_drafter_name
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.quant import quant_bits
+from eagle_fsd.settings import DTYPE_NAMES, add_kernel_args
 from eagle_fsd.tune.measure import TuneSettings
 from eagle_fsd.tune.profile import CostProfile, choose_shape
 from eagle_fsd.tune.store import load_or_measure
 
+
 def main(argv=None) -> int:
-    import argparse
-
-    from eagle_fsd.model import EaFsdModel
-    from eagle_fsd.quant import quant_bits
-    from eagle_fsd.settings import add_kernel_args, torch_dtype
-
     p = argparse.ArgumentParser(prog="eagle-fsd tune", description="measure the speculation cost model on this "
                                 "machine, print the predicted speedup of each tree shape and cache the profile")
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--drafter", default=None, help="LM drafter (preset, dir or hub id); default: the preset's")
     p.add_argument("--ea-model-path", default=None, help="EAGLE-1/2 head (dir or hub id)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     add_kernel_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
@@ -32,30 +35,23 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = torch_dtype(args.dtype)
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
-                                       dtype=dtype, total_token=1, depth=1, top_k=1,  # the tree is measured below
+                                       dtype=args.dtype, total_token=1, depth=1, top_k=1,  # the tree is measured below
                                        prepack=args.prepack, draft_quant=args.draft_quant)
     if model.drafter is None:
         raise ValueError(f"{args.model!r} has no default drafter: pass --drafter or --ea-model-path")
     settings = None
     if args.mtbench:
-        from eagle_fsd.eval.data import load_questions
-
         texts = tuple(q["turns"][0] for q in load_questions()[: args.mtbench])
         settings = TuneSettings(prompts=len(texts), prompt_texts=texts)
-    drafter_name = args.ea_model_path or args.drafter
-    if drafter_name is None:  # the preset's default drafter, named as from_pretrained names it
-        from eagle_fsd import presets
-
-        drafter_name = presets.shipped_head(args.model) or presets.default_drafter(args.model)
+    drafter_name = preset_drafter_name(args.model, args.ea_model_path, args.drafter)  # as from_pretrained names it
     profile, path = load_or_measure(model, args.model, drafter_name, refresh=args.refresh, settings=settings)
     print(f"cost profile: {path}")
     bits = quant_bits(model.drafter.module)
     print(f"drafter weights: {f'int{bits}' if bits else 'as loaded'} (--draft-quant)")
     print(format_profile(profile, args.top))
     if args.plot:
-        plot_cost_curves({f"{args.model} ({str(model.base_model.dtype).replace('torch.', '')})": profile}, args.plot)
+        plot_cost_curves({f"{args.model} ({dtype_name(model.base_model.dtype)})": profile}, args.plot)
         print(f"wrote {args.plot}")
     return 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_fsd.prepack import pack_weight, packed_linear, prepack_supported
+from eagle_fsd.prepack import is_prepacked, pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
 from eagle_fsd.tune.measure import timed_rounds
 
@@ -148,17 +148,13 @@ def resolve_draft_quant(draft_quant, drafter) -> int:
                              f"weight-only kernel; this drafter is on {device} (PyTorch {torch.__version__}). "
                              "Use draft_quant 'auto' or 'off'")
         return bits
-    from eagle_fsd.drafters import LMDrafter
-
-    if not isinstance(drafter, LMDrafter) or not quant_supported(4, device):
+    if not drafter.auto_quant or not quant_supported(4, device):
         return 0
     return 4 if int4_measures_faster(*mlp_shape(module.config), kernel_kind(module)) else 0
 
 
 def kernel_kind(module) -> str:
     """The kernel kind (`mlp_kernel_ms`) the module's linear layers run now."""
-    from eagle_fsd.prepack import is_prepacked
-
     name = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else "fp32"
     return f"{name}-packed" if is_prepacked(module) else name
 

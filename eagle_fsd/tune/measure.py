@@ -13,13 +13,15 @@ from pathlib import Path
 
 import torch
 
+from eagle_fsd import vocab as vocab_tables
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import causal_mask, decoder_forward
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune.profile import CostProfile, choose_shape
 from eagle_fsd.tune.replay import RANKS, replay, target_hidden, tau_by_shape
 
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
-TOP_KS = (1, 2, 4, 8)
+TOP_KS = (1, 2, 4, 8)  # candidate branching (EAGLE's top_k)
 MAX_DEPTH = 6
 CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 
@@ -73,7 +75,8 @@ def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]
 
 
 class DraftSetup:
-    """A drafter primed on a context, to time its forwards as the engine runs them."""
+    """A drafter primed on a context, to time its forwards as the engine runs them (through the Drafter
+    contract of eagle_fsd.drafters)."""
 
     def __init__(self, drafter, context: torch.Tensor, target_hidden: torch.Tensor, room: int):
         self.drafter = drafter
@@ -95,8 +98,7 @@ class DraftSetup:
         """A catch-up over three accepted tokens, then back."""
         d = self.drafter
         d.extend(self.tokens, self.hidden)
-        d.cache.crop(self.length)
-        d.length = self.length
+        d.rewind(self.length)
 
 
 def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rounds: int):
@@ -123,15 +125,14 @@ def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rou
     verify_ms = timed_rounds({n: (lambda n=n: verify(n)) for n in sizes}, rounds, before=lambda: setup.level(1))
     level_ms, extend_ms = {}, {}
     for v, ids in vocabs.items():
-        drafter.draft_head.set_draft_vocab(ids)
-        setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
-        fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
-        fns["extend"] = setup.extend
-        setup.level(1)
-        timed = timed_rounds(fns, rounds, before=lambda: verify(1))
+        with drafter.drafting_over(ids):
+            setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
+            fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
+            fns["extend"] = setup.extend
+            setup.level(1)
+            timed = timed_rounds(fns, rounds, before=lambda: verify(1))
         extend_ms[v] = timed.pop("extend")
         level_ms.update({(k, v): t for (_, k), t in timed.items()})
-    drafter.draft_head.set_draft_vocab(None)
     return verify_ms, level_ms, extend_ms
 
 
@@ -168,9 +169,7 @@ def search_space(settings: TuneSettings, level1: float, step_ms: float, prompts:
 def draft_vocabularies(model, settings: TuneSettings, cheap: bool) -> dict:
     """{size v: target ids} of the draft vocabularies to try; 0: the full vocabulary (None). A cheap drafter also
     tries a second reduced size (vocab.candidate_sizes)."""
-    from eagle_fsd import vocab as vocab_tables
-
-    if not getattr(model.drafter, "reducible_vocab", True):  # an EAGLE-3 head brings its own draft vocabulary
+    if not model.drafter.reducible_vocab:  # an EAGLE-3 head brings its own draft vocabulary
         return {0: None}
     order = vocab_tables.frequency_order(model.tokenizer)
     if settings.vocabs is not None:
@@ -226,7 +225,7 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
     tau, by_depth = tau_by_shape(rows, continuations, vocabs, top_ks, settings.max_depth)
     profile = CostProfile(verify_ms, level_ms, extend_ms, 0.0, plain_ms, tau, by_depth,
                           rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)])
-    profile.overhead_ms = measure_overhead(model, ids[0], profile, settings.new_tokens, vocabs)
+    profile.overhead_ms = measure_overhead(model, ids[0], profile, settings.new_tokens)
     with torch.no_grad():
         profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds)
     return profile
@@ -254,17 +253,12 @@ def measure_prefill(model, prompt: torch.Tensor, rounds: int) -> tuple[float, fl
     return timed["target"] / n, timed["drafter"] / n
 
 
-def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_tokens: int, vocabs: dict) -> float:
-    """The engine's per-step cost beyond the modelled forwards, from real steps at the provisional best shape."""
+def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_tokens: int) -> float:
+    """The engine's per-step cost beyond the modelled forwards, from real steps at the provisional best shape
+    (passed to generate, so without the speed guard)."""
     shape, _ = choose_shape(profile)
-    saved = (model.total_token, model.depth, model.top_k)
-    model.set_tree(*shape[:3])
-    model.drafter.draft_head.set_draft_vocab(vocabs[shape[3]])
-    try:
-        runs = [model.generate(prompt[None], max_new_tokens=new_tokens, return_dict=True) for _ in range(3)]
-    finally:
-        model.set_tree(*saved)
-        model.drafter.draft_head.set_draft_vocab(None)
+    runs = [model.generate(prompt[None], max_new_tokens=new_tokens, return_dict=True, shape=TreeShape(*shape))
+            for _ in range(3)]
     # the loop's time outside the target forward, less the modelled draft forwards (t_verify is timed apart)
     n, d, k, v = shape
     drafting = d * profile.level_ms[(k, v)] + profile.extend_ms[v]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-Shape = tuple[int, int, int, int]  # (total_token n, depth d, top_k k, draft vocabulary size v; 0 = full)
+from eagle_fsd.tree.shape import TreeShape
+
+Shape = tuple[int, int, int, int]  # (total_token n, depth d, branching k, draft vocabulary size v; 0 = full)
 _KEYED = ("verify_ms", "level_ms", "extend_ms", "tau", "acceptance_by_depth")  # dicts with int / tuple keys
 
 
@@ -64,15 +66,15 @@ class CostProfile:
 
 
 def choose_shape(profile: CostProfile, total_token: int | None = None, depth: int | None = None,
-                 top_k: int | None = None) -> tuple[Shape, float]:
+                 branching: int | None = None) -> tuple[Shape, float]:
     """The shape (n, d, k, v) with the highest predicted speedup (ties: the smaller tree), among those matching the
     fixed values given. Returns (shape, predicted speedup)."""
     candidates = [s for s in profile.tau
                   if (total_token is None or s[0] == total_token) and (depth is None or s[1] == depth)
-                  and (top_k is None or s[2] == top_k) and s[0] in profile.verify_ms
+                  and (branching is None or s[2] == branching) and s[0] in profile.verify_ms
                   and (s[2], s[3]) in profile.level_ms and s[3] in profile.extend_ms]
     if not candidates:
-        raise ValueError(f"no measured tree shape has total_token={total_token}, depth={depth}, top_k={top_k}; "
+        raise ValueError(f"no measured tree shape has total_token={total_token}, depth={depth}, top_k={branching}; "
                          f"measured sizes {sorted(profile.verify_ms)}, top_k {sorted({k for k, _ in profile.level_ms})}, "
                          f"depth 1..{max(s[1] for s in profile.tau)}: pick from those or re-run `eagle-fsd tune`")
     best = max(candidates, key=lambda s: (profile.speedup(s), -s[0], -s[1], -s[2], s[3]))
@@ -90,7 +92,7 @@ def workload_speedup(prefill_ms: float, draft_prefill_ms: float, plain_ms: float
 class Tuning:
     """What the engine uses: the chosen shape, whether to speculate at all, and the plain rate for the guard."""
 
-    shape: Shape                           # total_token, depth, top_k, draft vocabulary size (0: full)
+    shape: Shape                           # total_token, depth, branching, draft vocabulary size (0: full)
     predicted_speedup: float
     plain_ms: float                        # the profile's t_plain and t_verify(n): the speed guard's yardstick
     verify_ms: dict[int, float]
@@ -99,6 +101,11 @@ class Tuning:
     spec_ms: float = 0.0                   # t_step / E[a + 1] of the shape: ms per token while speculating
     prefill_ms: float = 0.0                # per prompt token, target and drafter (CostProfile)
     draft_prefill_ms: float = 0.0
+
+    @property
+    def tree(self) -> TreeShape:
+        """The chosen shape, as the engine takes it."""
+        return TreeShape(*self.shape)
 
     def workload_speedup(self, prompt_tokens: float, new_tokens: float) -> float:
         """The predicted speedup over plain decoding of whole generations (prompt and new tokens summed)."""

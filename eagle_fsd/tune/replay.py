@@ -11,6 +11,7 @@ import torch
 
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import causal_mask, decoder_outputs
+from eagle_fsd.tree.accept import acceptance_by_depth
 from eagle_fsd.tree.dynamic import grow_pool
 
 RANKS = 8  # the rank histogram counts the drafter's first RANKS root choices, and "none of them"
@@ -23,7 +24,7 @@ def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     cache = TreeCache(target.config.num_hidden_layers, ids.numel())
     return decoder_outputs(target, ids, cache, causal_mask(0, ids.numel(), target.device),
                            torch.arange(ids.numel(), device=target.device), model.attention,
-                           getattr(model.drafter, "feature_layers", None))[1]
+                           model.drafter.feature_layers)[1]
 
 
 def accepted_path(pool, continuation: list[int]) -> list[int]:
@@ -125,8 +126,6 @@ def replay(model, prompt: torch.Tensor, continuation: torch.Tensor, top_ks, max_
 
 def acceptance_per_depth(rows: list[list[dict]], key) -> list[float]:
     """P(depth d accepted | depth d - 1 accepted) of the tree `key` over every replayed position."""
-    from eagle_fsd.tree.accept import acceptance_by_depth
-
     return [round(x, 4) for x in acceptance_by_depth([pos[key] for r in rows for pos in r])]
 
 

@@ -1,5 +1,5 @@
-"""Profiles cached as JSON per model, drafter, device, dtype, kernels and threads, and the engine hook that installs
-the chosen shape (autotune)."""
+"""Profiles cached as JSON per model, drafter, device, dtype, kernels and threads, and the tuning they give
+(autotune: the loader builds the model with its shape)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from eagle_fsd.dtypes import dtype_name
+from eagle_fsd.files import cache_dir
 from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.quant import quant_bits
 from eagle_fsd.tune.measure import TuneSettings, device_name, measure
@@ -23,7 +25,7 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
     target = model.base_model
     drafter_id = drafter_name if isinstance(drafter_name, str) else type(model.drafter).__name__
     key = {"model": str(base_model), "drafter": str(drafter_id), "device": device_name(target.device),
-           "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+           "dtype": dtype_name(target.dtype), "threads": torch.get_num_threads(),
            "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
     if is_prepacked(target):
         key["prepacked"] = True
@@ -38,8 +40,6 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
 
 
 def cache_path(key: dict) -> Path:
-    from eagle_fsd.presets import cache_dir
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     name = Path(key["model"]).name.replace("/", "_")
     return cache_dir() / "tune" / f"{name}-{digest}.json"
@@ -65,25 +65,13 @@ def load_or_measure(model, base_model, drafter_name, progress: bool = True, refr
     return profile, path
 
 
-def apply_tuning(model, tuning: Tuning) -> None:
-    """Install a tuning on an EaFsdModel: its tree, its draft vocabulary and the speed guard's plain rate."""
-    from eagle_fsd import vocab as vocab_tables
-
-    n, d, k, v = tuning.shape
-    model.set_tree(n, d, k)
-    ids = None
-    if v:
-        ids = vocab_tables.draft_vocab(vocab_tables.frequency_order(model.tokenizer), v).to(model.base_model.device)
-    model.drafter.draft_head.set_draft_vocab(ids)
-    model.tuning = tuning
-
-
-def autotune(model, base_model, drafter_name, auto, fixed: dict, progress: bool = True,
+def autotune(model, base_model, drafter_name, fixed: dict, progress: bool = True,
              settings: TuneSettings | None = None) -> Tuning:
-    """Resolve "auto" tree settings of `model` from the (cached) cost profile; install the tuning on the model."""
+    """The tuning for `model` (an EaFsdModel with a drafter) from the (cached) cost profile: the fastest shape
+    among those with the `fixed` values (TreeShape fields: total_token, depth, branching). `model` is only measured;
+    the tuning's shape (Tuning.tree) is for the model the loader builds with it."""
     profile, path = load_or_measure(model, base_model, drafter_name, progress=progress, settings=settings)
-    tuning = tuning_from(profile, {k: v for k, v in fixed.items() if k not in auto}, str(path))
-    apply_tuning(model, tuning)
+    tuning = tuning_from(profile, fixed, str(path))
     if progress:
         print(f"eagle-fsd: {describe(tuning)}", file=sys.stderr)
     return tuning
