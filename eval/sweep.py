@@ -14,7 +14,8 @@ be killed, resumed, or extended with more arms or problems without losing or rep
 Per arm and benchmark (summary.csv / summary.json): accuracy with its 95 % Wilson interval; the paired difference to
 lossless on the same problems (bootstrap interval, McNemar's exact p); tau; the fuzzy share of accepted tokens;
 tokens/s and the speedup over lossless and over plain decoding on the problems both ran (paired bootstrap
-interval). frontier_<bench>.png: accuracy against speedup over lossless, one line per (divergence, rule).
+interval). problems.csv: every answer's score, tokens and time. frontier_<bench>.png: accuracy against speedup over
+lossless, one line per (divergence, rule).
 `--sample N`: a fixed seeded subset of N problems of every benchmark with more than N (`--seed`), else all.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_fsd.eval import gsm8k, humaneval
+from eagle_fsd.eval import gpqa, gsm8k, humaneval
 from eagle_fsd.eval.frontier_plot import plot_frontier
 from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
 from eagle_fsd.eval.stats import paired_difference, paired_speedup, wilson_interval
@@ -38,7 +39,7 @@ from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, load_model, parse_settings
 from eagle_fsd.tree.accept import tokens_per_step
 
-BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k}
+BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k, "gpqa": gpqa}
 PLAIN, LOSSLESS = "plain", "lossless"
 CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "problems", "accuracy", "accuracy_low",
               "accuracy_high", "diff_vs_lossless", "diff_low", "diff_high", "only_lossless", "only_this", "p_value",
@@ -126,8 +127,7 @@ def score(bench: str, problem: dict, reply: str, exec_timeout: float) -> tuple[b
     if bench == "humaneval":
         result = humaneval.score(problem, reply, exec_timeout)
         return result.passed, result.detail or result.status
-    answer = gsm8k.extract_answer(reply)
-    return answer == problem["target"], f"answer {answer}, target {problem['target']}"
+    return BENCHES[bench].judge(problem, reply)
 
 
 def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, arm: Arm) -> dict:
@@ -201,7 +201,17 @@ def speedup(done: dict[str, dict], base: dict[str, dict]) -> tuple:
                           [base[t]["new_tokens"] for t in shared], [base[t]["wall_time"] for t in shared])
 
 
-def write_summary(out_dir: Path, rows: list[dict], settings: dict) -> None:
+PROBLEM_FIELDS = ["bench", "task_id", "method", "correct", "new_tokens", "wall_time", "verify_steps", "accepted",
+                  "fuzzy", "detail"]
+
+
+def write_summary(out_dir: Path, rows: list[dict], settings: dict, records: list[dict]) -> None:
+    """summary.csv / summary.json: one row per (bench, arm); problems.csv: one row per answer (records.jsonl without
+    the replies)."""
+    with open(out_dir / "problems.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=PROBLEM_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
     with open(out_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
@@ -272,7 +282,8 @@ def parse_args(argv) -> SweepJob:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, max_new_default=512, baseline_flag=False)  # plain decoding is always one of the arms
     add_fsd_args(p, threshold_flag=False)  # per arm instead
-    p.add_argument("--bench", nargs="+", choices=sorted(BENCHES), default=["humaneval"])
+    p.add_argument("--bench", nargs="+", choices=list(BENCHES), default=["humaneval"],
+                   help="humaneval (164, pass@1), gsm8k (1,319, exact match), gpqa (198 GPQA Diamond, 4 choices)")
     p.add_argument("--thresholds", default=None,
                    help="comma-separated FSD thresholds T for --fsd-divergence and --fsd-mode")
     p.add_argument("--fsd", action="append", default=[], metavar="DIV[/RULE]:T1,T2",
@@ -338,7 +349,7 @@ def run_sweep(job: SweepJob, model=None) -> list[dict]:
         run_todo(job, todo, records, model)
     selection = {bench: [p["task_id"] for p in ps] for bench, ps in problems.items()}
     rows = summarize(records, selection, job.arms)
-    write_summary(job.out_dir, rows, settings_of(job.settings))
+    write_summary(job.out_dir, rows, settings_of(job.settings), records)
     gen = job.settings.generation
     for bench in problems:
         mine = [r for r in rows if r["bench"] == bench]

@@ -59,3 +59,7 @@ def test_summary_rows_hand_values():
     subset = [r for r in records if not (r["method"] == "plain" and r["task_id"] != "a")]
     rows = sweep.summarize(subset, {"b": list("abcd")}, arms)
     assert rows[0]["problems"] == 1 and rows[2]["speedup_vs_plain"] == pytest.approx(4.0)
+    # lossless has not reached problem d yet: the paired difference is over a, b, c only
+    partial = [r for r in records if not (r["method"] == "lossless" and r["task_id"] == "d")]
+    fsd = sweep.summarize(partial, {"b": list("abcd")}, arms)[2]
+    assert fsd["problems"] == 4 and fsd["diff_vs_lossless"] == pytest.approx(-1 / 3)

@@ -247,6 +247,9 @@ def test_sweep_writes_csv_json_png_and_resumes(tmp_path, use_model, capsys):
     for bench in ("humaneval", "gsm8k"):
         assert (out / f"frontier_{bench}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["rows"][0]["method"] == "plain"
+    with open(out / "problems.csv") as f:
+        answers = list(csv.DictReader(f))
+    assert len(answers) == len(records) and {a["correct"] for a in answers} <= {"True", "False"}
 
     with pytest.raises(SystemExit, match="--resume"):
         sweep.main(sweep_argv(out, "--thresholds", "0.5,2"))
@@ -352,9 +355,26 @@ def test_code_extraction():
 def test_gsm8k_answers():
     first = gsm8k.load_problems(2)[0]
     assert first["target"] == "18" and first["task_id"] == "gsm8k/0"
-    assert gsm8k.is_correct(first, "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18")
-    assert gsm8k.is_correct(first, "She makes $18.00 every day.")  # no '####': the last number
-    assert not gsm8k.is_correct(first, "#### 19\nor maybe 18")
+    assert gsm8k.judge(first, "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18")[0]
+    assert gsm8k.judge(first, "She makes $18.00 every day.")[0]  # no '####': the last number
+    assert not gsm8k.judge(first, "#### 19\nor maybe 18")[0]
     assert gsm8k.extract_answer("#### $1,234.50") == "1234.5"
     assert gsm8k.extract_answer("no numbers here") is None
     assert gsm8k.extract_answer("It is -3.") == "-3"
+
+
+def test_gpqa_problems_and_answers():
+    from eagle_fsd.eval import gpqa
+
+    problems = gpqa.load_problems()
+    assert len(problems) == 198 and problems == gpqa.load_problems()  # the shuffle is fixed per question
+    first = problems[0]
+    assert sorted(first["choices"]) == sorted(["10^-4 eV", "10^-11 eV", "10^-8 eV", "10^-9 eV"])
+    assert first["choices"]["ABCD".index(first["target"])] == "10^-4 eV"  # the file's correct answer
+    assert {p["target"] for p in problems} == set("ABCD")  # not always the first choice
+    message = gpqa.user_message(first)
+    assert "Answer: $LETTER" in message and f"{first['target']}) 10^-4 eV" in message
+    assert gpqa.judge(first, f"Step by step...\nAnswer: {first['target']}") == (True, f"answer {first['target']}, "
+                                                                                   f"target {first['target']}")
+    assert gpqa.extract_answer("**Answer: c**") == "C" and gpqa.extract_answer("Answer: D\nAnswer: A") == "A"
+    assert gpqa.extract_answer("I cannot tell.") is None
