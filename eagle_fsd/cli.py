@@ -1,4 +1,4 @@
-"""The `eagle-fsd` command: run (the main job), models, bench, mtbench, speed, sweep, chat, train-head."""
+"""The `eagle-fsd` command: run (the main job), models, bench, mtbench, speed, sweep, calibrate, chat, train-head."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,8 @@ COMMANDS = {  # name -> (module with a main(argv) -> int, one-line help)
     "bench": ("eagle_fsd.eval.bench", "speed benchmark: plain vs HF assisted vs eagle-fsd (and FSD rows)"),
     "mtbench": ("eagle_fsd.eval.mtbench", "answer MT-Bench questions (FastChat answer jsonl)"),
     "speed": ("eagle_fsd.eval.speed", "speed report of an answer jsonl (tokens/s, speedup, tau, acceptance)"),
-    "sweep": ("eagle_fsd.eval.sweep", "quality vs speed over FSD thresholds (HumanEval / GSM8K)"),
+    "sweep": ("eagle_fsd.eval.sweep", "the FSD frontier: accuracy and speed per divergence / rule / T, paired CIs"),
+    "calibrate": ("eagle_fsd.eval.calibrate", "the largest FSD threshold within an accuracy (or NLL) budget"),
     "chat": ("eagle_fsd.chat", "interactive chat with live speed statistics"),
     "train-head": ("eagle_fsd.train", "train an EAGLE-1/2 or EAGLE-3 head for a causal LM"),
 }

@@ -61,13 +61,16 @@ class FsdConfig:
     accepts it at every node; any D counts there, +inf included (a reduced draft vocabulary, processed distributions),
     except NaN (no divergence computed), which never accepts.
     distributions: "raw" (temperature 1, full vocabulary; the paper's setting) or "processed" (after temperature /
-    top-k / top-p). top_k: the divergence over the target's top-K tokens plus one rest bucket (None = full vocab)."""
+    top-k / top-p). top_k: the divergence over the target's top-K tokens plus one rest bucket (None = full vocab).
+    exact_prefix: the first L new tokens of each reply are verified losslessly (never fuzzy, at any T): lossy
+    acceptance can weaken a reply's opening, where refusals and format decisions are made."""
 
     threshold: float | None = None
     divergence: str = "kl_qp"
     mode: str = "reducible"
     distributions: str = "raw"
     top_k: int | None = None
+    exact_prefix: int = 0
 
     def __post_init__(self):
         t = self.threshold
@@ -83,6 +86,9 @@ class FsdConfig:
             raise ValueError(f"fsd_distributions={self.distributions!r} is not one of {DISTRIBUTIONS}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"fsd_top_k={self.top_k!r} must be a positive int or None (full vocabulary)")
+        if not isinstance(self.exact_prefix, int) or self.exact_prefix < 0:
+            raise ValueError(f"fsd_exact_prefix={self.exact_prefix!r} must be an int >= 0 (the number of new tokens "
+                             "verified losslessly before FSD may accept; 0 = none)")
 
     @property
     def active(self) -> bool:
@@ -124,11 +130,31 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfi
     return torch.where(tree.dist_index >= 0, div, math.nan)
 
 
+def exact_depth(fsd: FsdConfig, emitted: int) -> int:
+    """Nodes shallower than this keep the lossless rule. The root is the reply's token emitted - 1, so a child of a
+    node at depth d becomes token emitted + d; it must be exact while emitted + d < exact_prefix."""
+    return max(fsd.exact_prefix - emitted, 0)
+
+
+def keep_exact(tree: DraftTree, target_choice: torch.Tensor, choice: torch.Tensor, blocked: torch.Tensor | None,
+               depth: int):
+    """The FSD choices with the lossless ones restored at nodes shallower than `depth` (exact prefix guard)."""
+    exact = tree.depths < depth
+    choice = torch.where(exact, target_choice, choice)
+    return choice, (None if blocked is None else blocked & ~exact)
+
+
 def fsd_accept(tree: DraftTree, target_logits: torch.Tensor, target_choice: torch.Tensor, fsd: FsdConfig | None,
-               vocab_size: int, processor=None) -> Step:
-    """One verification step's acceptance: the lossless walk, relaxed by the FSD rule when FSD is on."""
+               vocab_size: int, processor=None, emitted: int = 0) -> Step:
+    """One verification step's acceptance: the lossless walk, relaxed by the FSD rule when FSD is on.
+    emitted: new tokens of this reply before the step's tree (its root included), for FsdConfig.exact_prefix."""
     if fsd is None or not fsd.active or tree.size == 1:
+        return accept(tree, target_choice)
+    exact = exact_depth(fsd, emitted)
+    if exact >= tree.ancestors.shape[1] - 1:  # every parent in the tree is inside the exact prefix
         return accept(tree, target_choice)
     divergences = node_divergences(tree, target_logits, fsd, vocab_size, processor)
     choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
+    if exact:
+        choice, blocked = keep_exact(tree, target_choice, choice, blocked, exact)
     return accept(tree, choice, blocked, target_choice, divergences)

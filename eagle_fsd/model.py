@@ -281,7 +281,8 @@ class EaFsdModel(torch.nn.Module):
             speculate = drafter is not None and guard.speculate()
             tree = self._draft(reader, root, tree_shape) if speculate else chain_tree(root.reshape(1))
             clock.lap("draft")
-            step, features, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock, layers)
+            step, features, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock, layers,
+                                                                     emitted=len(generated))
             out.record(step, plain=drafter is not None and not speculate)
             done = self._emit(generated, out.fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
             root = step.next_token
@@ -302,7 +303,7 @@ class EaFsdModel(torch.nn.Module):
         return grow_tree(reader.drafter, root, root_logits, root_state, shape)
 
     def _verify_and_accept(self, tree, cache: TreeCache, processor, fsd: FsdConfig | None, clock: PhaseClock,
-                           layers: tuple[int, ...] | None = None):
+                           layers: tuple[int, ...] | None = None, emitted: int = 0):
         """One target forward over the tree, acceptance, and the cache cut to the accepted path:
         (step, the tree's drafter features, verify seconds)."""
         committed = cache.get_seq_length()
@@ -310,7 +311,7 @@ class EaFsdModel(torch.nn.Module):
         verify_start = clock.last
         clock.lap("verify")
         verify_seconds = clock.last - verify_start
-        step = self._accept(tree, logits, processor, fsd)
+        step = self._accept(tree, logits, processor, fsd, emitted)
         clock.lap("accept")
         if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
             cache.crop(committed + step.accept_length + 1)
@@ -337,8 +338,8 @@ class EaFsdModel(torch.nn.Module):
                                            self.attention, layers)
         return self.base_model.get_output_embeddings()(hidden), features
 
-    def _accept(self, tree, logits, processor, fsd: FsdConfig | None):
-        return fsd_accept(tree, logits, choose_tokens(logits, processor), fsd, self.vocab_size, processor)
+    def _accept(self, tree, logits, processor, fsd: FsdConfig | None, emitted: int = 0):
+        return fsd_accept(tree, logits, choose_tokens(logits, processor), fsd, self.vocab_size, processor, emitted)
 
     @staticmethod
     def _emit(generated: list[int], fuzzy_mask: list[bool], new: list[int], new_fuzzy: list[bool], eos: set[int],

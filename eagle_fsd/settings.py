@@ -85,7 +85,7 @@ class GenerationSettings:
 
 def fsd_from_args(args: argparse.Namespace) -> FsdConfig:
     """FsdConfig from the FSD flags; ValueError names a bad value."""
-    return FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode)
+    return FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode, exact_prefix=args.fsd_exact_prefix)
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,8 @@ def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True, diverg
     else:
         p.set_defaults(fsd_divergence="kl_qp")
     p.add_argument("--fsd-mode", default="reducible", choices=list(FSD_MODES))
+    p.add_argument("--fsd-exact-prefix", type=int, default=0, metavar="L",
+                   help="verify the first L new tokens of a reply losslessly, FSD after them (default 0)")
 
 
 def tree_arg(text: str):

@@ -73,5 +73,6 @@ def extract_answer(reply: str) -> str | None:
     return normalize(numbers[-1]) if numbers else None
 
 
-def is_correct(problem: dict, reply: str) -> bool:
-    return extract_answer(reply) == problem["target"]
+def judge(problem: dict, reply: str) -> tuple[bool, str]:
+    answer = extract_answer(reply)
+    return answer == problem["target"], f"answer {answer}, target {problem['target']}"

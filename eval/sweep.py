@@ -1,132 +1,218 @@
-"""Quality against speed over FSD thresholds: HumanEval pass@1 and GSM8K exact match, per threshold T.
+"""The FSD quality/speed frontier: accuracy and speed per FSD configuration on real benchmarks, with paired statistics.
 
-    eagle-fsd sweep --model qwen2.5-coder-1.5b-instruct --bench humaneval gsm8k --thresholds 0.1,0.3,1,3 --limit 20
+    eagle-fsd sweep --model qwen2.5-coder-1.5b-instruct --bench humaneval gsm8k --sample 250 \\
+        --fsd kl_qp:0.3,1,3 --fsd jsd:0.3 --fsd kl_qp/original:1 --plain-limit 20 --out-dir frontier
 
-Every problem runs through plain decoding (the speed reference), lossless speculative decoding and FSD at each T,
-one method after the other (so slow drift of the machine hits all methods alike). Each (method, problem) result is
-appended to OUT_DIR/records.jsonl as soon as it is scored; `--resume` skips those already there, so a sweep can be
-stopped, resumed, or extended with more thresholds or problems. Written at the end (and on every run):
-summary.csv, summary.json and sweep.png (accuracy against speedup, one point per T, lossless and plain marked).
-speedup = tokens/s over plain decoding's tokens/s on the same problems; tau = tokens per target forward.
+Arms: plain decoding (the speed reference; `--plain-limit N` runs it on the first N problems of each benchmark
+only: greedy lossless output equals plain output, so lossless doubles as the accuracy baseline), lossless
+speculative decoding, and one FSD arm per (divergence, rule, T): `--fsd DIV[/RULE]:T1,T2,...` (repeatable), or
+`--thresholds` with `--fsd-divergence` / `--fsd-mode`. Every arm answers problem i before any arm answers problem
+i + 1, so slow drift of the machine hits all arms alike. Each (arm, problem) result is appended to
+OUT_DIR/records.jsonl as soon as it is scored (flushed and synced); `--resume` skips those already there, so a run can
+be killed, resumed, or extended with more arms or problems without losing or repeating an answer.
+
+Per arm and benchmark (summary.csv / summary.json): accuracy with its 95 % Wilson interval; the paired difference to
+lossless on the same problems (bootstrap interval, McNemar's exact p); tau; the fuzzy share of accepted tokens;
+tokens/s and the speedup over lossless and over plain decoding on the problems both ran (paired bootstrap
+interval). problems.csv: every answer's score, tokens and time. frontier_<bench>.png: accuracy against speedup over
+lossless, one line per (divergence, rule).
+`--sample N`: a fixed seeded subset of N problems of every benchmark with more than N (`--seed`), else all.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from eagle_fsd.tree.accept import tokens_per_step
-from eagle_fsd.eval import gsm8k, humaneval
+from eagle_fsd.eval import gpqa, gsm8k, humaneval
+from eagle_fsd.eval.frontier_plot import plot_frontier
 from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
-from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.eval.stats import paired_difference, paired_speedup, wilson_interval
+from eagle_fsd.fsd import DIVERGENCES, FSD_MODES, FsdConfig
 from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
-from eagle_fsd.settings import GenerationSettings, Settings, add_fsd_args, add_model_args, parse_settings
+from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, parse_settings
+from eagle_fsd.tree.accept import tokens_per_step
 
-BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k}
+BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k, "gpqa": gpqa}
 PLAIN, LOSSLESS = "plain", "lossless"
-CSV_FIELDS = ["bench", "method", "threshold", "problems", "accuracy", "tokens_per_s", "speedup", "tau",
+CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "problems", "accuracy", "accuracy_low",
+              "accuracy_high", "diff_vs_lossless", "diff_low", "diff_high", "only_lossless", "only_this", "p_value",
+              "tokens_per_s", "speedup_vs_lossless", "speedup_low", "speedup_high", "speedup_vs_plain", "tau",
               "fuzzy_fraction", "new_tokens", "wall_time"]
 
 
-# ---------------------------------------------------------------- methods
+# ---------------------------------------------------------------- arms
+@dataclass(frozen=True)
+class Arm:
+    """One way of decoding: plain (the target alone), lossless speculative decoding (fsd None), or FSD."""
+
+    label: str
+    fsd: FsdConfig | None = None
+    plain: bool = False
+
+
+def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0) -> Arm:
+    rule = "" if mode == "reducible" else f" {mode}"
+    return Arm(f"{divergence}{rule} T={threshold:g}", FsdConfig(threshold, divergence, mode,
+                                                                exact_prefix=exact_prefix))
+
+
 def parse_thresholds(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"--thresholds {text!r}: expected comma-separated numbers, e.g. 0.1,0.3,1") from None
-    if any(v < 0 for v in values):
-        raise SystemExit(f"--thresholds {text!r}: thresholds must be >= 0")
+        raise SystemExit(f"thresholds {text!r}: expected comma-separated numbers, e.g. 0.1,0.3,1") from None
+    if any(not v >= 0 for v in values):
+        raise SystemExit(f"thresholds {text!r}: thresholds must be >= 0")
     return values
 
 
-def methods(thresholds: list[float]) -> list[tuple[str, float | None]]:
-    """(label, FSD threshold): plain decoding first (the speed reference), lossless, then each T."""
-    return [(PLAIN, None), (LOSSLESS, None)] + [(f"T={t:g}", t) for t in thresholds]
+def parse_arm_spec(spec: str, exact_prefix: int = 0) -> list[Arm]:
+    """"kl_qp:0.3,1" -> kl_qp (reducible) at T = 0.3 and 1; "kl_qp/original:1" -> the original rule at T = 1."""
+    head, _, values = spec.partition(":")
+    divergence, _, mode = head.partition("/")
+    mode = mode or "reducible"
+    if not values or divergence not in DIVERGENCES or mode not in FSD_MODES:
+        raise SystemExit(f"--fsd {spec!r}: expected DIVERGENCE[/RULE]:T1,T2,... with DIVERGENCE one of "
+                         f"{', '.join(DIVERGENCES)} and RULE one of {', '.join(FSD_MODES)}, e.g. kl_qp:0.3,1")
+    return [fsd_arm(divergence, mode, t, exact_prefix) for t in parse_thresholds(values)]
 
 
-def method_settings(settings: Settings, label: str, threshold: float | None) -> tuple[GenerationSettings, FsdConfig]:
-    """The sweep's settings for one method: plain decoding for PLAIN, else speculative with FSD threshold T."""
-    return (replace(settings.generation, baseline=label == PLAIN), replace(settings.fsd, threshold=threshold))
+def arms_of(settings: Settings, thresholds: str | None, specs: list[str]) -> list[Arm]:
+    """Plain, lossless, then the FSD arms (--thresholds with the settings' divergence and rule, then each --fsd)."""
+    fsd = settings.fsd
+    arms = [Arm(PLAIN, plain=True), Arm(LOSSLESS)]
+    if thresholds:
+        arms += [fsd_arm(fsd.divergence, fsd.mode, t, fsd.exact_prefix) for t in parse_thresholds(thresholds)]
+    for spec in specs:
+        arms += parse_arm_spec(spec, fsd.exact_prefix)
+    return list({arm.label: arm for arm in arms}.values())  # a configuration named twice runs once
 
 
 @dataclass(frozen=True)
 class SweepJob:
-    """One `eagle-fsd sweep` run: the shared settings (their FSD threshold unused: each method sets its own), the
-    benchmarks, the thresholds and where the results go."""
+    """One `eagle-fsd sweep` run: the shared settings (model, tree, sampling; FSD per arm), the benchmarks and
+    their problem selection, the arms, and where the results go."""
 
     settings: Settings
     benches: list[str]
-    thresholds: list[float]
+    arms: list[Arm]
     out_dir: Path
-    limit: int | None = None  # the first N problems of each benchmark
+    limit: int | None = None        # the first N problems of each benchmark
+    sample: int | None = None       # a seeded subset of N problems of each benchmark larger than N
+    seed: int = 0
+    plain_limit: int | None = None  # plain decoding on the first N selected problems only
     resume: bool = False
     exec_timeout: float = humaneval.DEFAULT_TIMEOUT
     warmup: bool = True
 
 
+def select_problems(problems: list[dict], limit: int | None = None, sample: int | None = None,
+                    seed: int = 0) -> list[dict]:
+    """The first `limit` problems, or a fixed subset of `sample` drawn with `seed` (in file order), or all."""
+    if sample is not None and sample < len(problems):
+        keep = sorted(random.Random(seed).sample(range(len(problems)), sample))
+        problems = [problems[i] for i in keep]
+    return problems[:limit] if limit is not None else problems
+
+
 # ---------------------------------------------------------------- one problem
-def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, label: str, threshold) -> dict:
-    """Generate, score and return one record (its reply included, so a score can be audited)."""
-    module = BENCHES[bench]
-    torch.manual_seed(0)
-    ids = fmt.encode([{"role": "user", "content": module.user_message(problem)}])
-    out = generate_reply(model, ids, *method_settings(job.settings, label, threshold), fmt)
-    reply = fmt.decode(out.sequences[0, ids.shape[1]:])
+def score(bench: str, problem: dict, reply: str, exec_timeout: float) -> tuple[bool, str]:
     if bench == "humaneval":
-        result = humaneval.score(problem, reply, job.exec_timeout)
-        correct, detail = result.passed, result.detail or result.status
-    else:
-        answer = gsm8k.extract_answer(reply)
-        correct, detail = answer == problem["target"], f"answer {answer}, target {problem['target']}"
-    return {"bench": bench, "task_id": problem["task_id"], "method": label, "threshold": threshold,
-            "correct": bool(correct), "detail": detail, "new_tokens": out.new_tokens,
-            "wall_time": round(out.wall_time, 4), "verify_steps": out.verify_steps,
+        result = humaneval.score(problem, reply, exec_timeout)
+        return result.passed, result.detail or result.status
+    return BENCHES[bench].judge(problem, reply)
+
+
+def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, arm: Arm) -> dict:
+    """Generate, score and return one record (its reply included, so a score can be audited)."""
+    torch.manual_seed(0)
+    ids = fmt.encode([{"role": "user", "content": BENCHES[bench].user_message(problem)}])
+    generation = replace(job.settings.generation, baseline=arm.plain)
+    out = generate_reply(model, ids, generation, arm.fsd or FsdConfig(), fmt)
+    reply = fmt.decode(out.sequences[0, ids.shape[1]:])
+    correct, detail = score(bench, problem, reply, job.exec_timeout)
+    fsd = arm.fsd
+    return {"bench": bench, "task_id": problem["task_id"], "method": arm.label,
+            "threshold": fsd.threshold if fsd else None, "divergence": fsd.divergence if fsd else None,
+            "mode": fsd.mode if fsd else None, "correct": bool(correct), "detail": detail,
+            "new_tokens": out.new_tokens, "wall_time": round(out.wall_time, 4), "verify_steps": out.verify_steps,
             "accepted": sum(out.accept_lengths), "fuzzy": sum(out.fuzzy_accepts), "reply": reply,
             "tstamp": time.time()}
 
 
 # ---------------------------------------------------------------- summary
-def summarize(records: list[dict], selection: dict[str, list[str]], labels: list[tuple[str, float | None]]) -> list:
-    """One row per (bench, method) over the selected problems that method has finished."""
+def by_method(records: list[dict], bench: str, task_ids: list[str]) -> dict[str, dict[str, dict]]:
+    """{method: {task_id: record}} of one benchmark's selected problems."""
+    wanted, table = set(task_ids), {}
+    for r in records:
+        if r["bench"] == bench and r["task_id"] in wanted:
+            table.setdefault(r["method"], {})[r["task_id"]] = r
+    return table
+
+
+def summarize(records: list[dict], selection: dict[str, list[str]], arms: list[Arm]) -> list[dict]:
+    """One row per (bench, arm) over the selected problems that arm has finished."""
     rows = []
     for bench, task_ids in selection.items():
-        by_method = {}
-        for r in records:
-            if r["bench"] == bench and r["task_id"] in task_ids:
-                by_method.setdefault(r["method"], {})[r["task_id"]] = r
-        plain = by_method.get(PLAIN, {})
-        for label, threshold in labels:
-            done = by_method.get(label)
-            if not done:
-                continue
-            rows.append({"bench": bench, "method": label, "threshold": threshold, **totals(done, plain)})
+        table = by_method(records, bench, task_ids)
+        for arm in arms:
+            if table.get(arm.label):
+                fsd = arm.fsd
+                rows.append({"bench": bench, "method": arm.label, "divergence": fsd.divergence if fsd else None,
+                             "mode": fsd.mode if fsd else None, "threshold": fsd.threshold if fsd else None,
+                             **arm_statistics(table[arm.label], table.get(LOSSLESS, {}), table.get(PLAIN, {}))})
     return rows
 
 
-def totals(done: dict[str, dict], plain: dict[str, dict]) -> dict:
+def arm_statistics(done: dict[str, dict], lossless: dict[str, dict], plain: dict[str, dict]) -> dict:
+    """Accuracy (Wilson interval), the paired difference to lossless, tau, fuzzy share, speed and speedups."""
     rs = list(done.values())
-    tokens, seconds = sum(r["new_tokens"] for r in rs), sum(r["wall_time"] for r in rs)
+    correct, tokens, seconds = (sum(r[k] for r in rs) for k in ("correct", "new_tokens", "wall_time"))
     steps, accepted = sum(r["verify_steps"] for r in rs), sum(r["accepted"] for r in rs)
-    row = {"problems": len(rs), "accuracy": sum(r["correct"] for r in rs) / len(rs),
-           "tokens_per_s": tokens / seconds if seconds else None, "speedup": None,
+    low, high = wilson_interval(correct, len(rs))
+    row = {"problems": len(rs), "accuracy": correct / len(rs), "accuracy_low": low, "accuracy_high": high,
+           "tokens_per_s": tokens / seconds if seconds else None,
            "tau": tokens_per_step(accepted, steps) if steps else None,
            "fuzzy_fraction": sum(r["fuzzy"] for r in rs) / accepted if accepted else 0.0,
            "new_tokens": tokens, "wall_time": round(seconds, 3)}
-    shared = [t for t in done if t in plain]  # speedup only over problems plain decoding also ran
-    if shared:
-        run_tps = sum(done[t]["new_tokens"] for t in shared) / sum(done[t]["wall_time"] for t in shared)
-        plain_tps = sum(plain[t]["new_tokens"] for t in shared) / sum(plain[t]["wall_time"] for t in shared)
-        row["speedup"] = run_tps / plain_tps
+    shared = [t for t in done if t in lossless]
+    diff = paired_difference([lossless[t]["correct"] for t in shared], [done[t]["correct"] for t in shared])
+    row.update(diff_vs_lossless=diff.difference, diff_low=diff.low, diff_high=diff.high,
+               only_lossless=diff.only_first, only_this=diff.only_second, p_value=diff.p_value)
+    ratio, low, high = speedup(done, lossless)
+    row.update(speedup_vs_lossless=ratio, speedup_low=low, speedup_high=high,
+               speedup_vs_plain=speedup(done, plain)[0])
     return row
 
 
-def write_summary(out_dir: Path, rows: list[dict], settings: dict) -> None:
+def speedup(done: dict[str, dict], base: dict[str, dict]) -> tuple:
+    """(tokens/s ratio over `base`, interval) on the problems both ran; Nones when they share none."""
+    shared = [t for t in done if t in base]
+    if not shared:
+        return None, None, None
+    return paired_speedup([done[t]["new_tokens"] for t in shared], [done[t]["wall_time"] for t in shared],
+                          [base[t]["new_tokens"] for t in shared], [base[t]["wall_time"] for t in shared])
+
+
+PROBLEM_FIELDS = ["bench", "task_id", "method", "correct", "new_tokens", "wall_time", "verify_steps", "accepted",
+                  "fuzzy", "detail"]
+
+
+def write_summary(out_dir: Path, rows: list[dict], settings: dict, records: list[dict]) -> None:
+    """summary.csv / summary.json: one row per (bench, arm); problems.csv: one row per answer (records.jsonl without
+    the replies)."""
+    with open(out_dir / "problems.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=PROBLEM_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
     with open(out_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         writer.writeheader()
@@ -136,73 +222,36 @@ def write_summary(out_dir: Path, rows: list[dict], settings: dict) -> None:
     (out_dir / "summary.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
 
 
-def plot(out_dir: Path, rows: list[dict], title: str) -> Path:
-    """sweep.png: accuracy against speedup; a line through the FSD points of each benchmark in T order, the
-    lossless point as a star and plain decoding as a square (both exact: they should score alike)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for i, bench in enumerate(dict.fromkeys(r["bench"] for r in rows)):
-        color = f"C{i}"
-        mine = [r for r in rows if r["bench"] == bench and r["speedup"] is not None]
-        fuzzy = sorted((r for r in mine if r["threshold"] is not None), key=lambda r: r["threshold"])
-        ax.plot([r["speedup"] for r in fuzzy], [r["accuracy"] for r in fuzzy], "o-", color=color,
-                label=f"{bench}: FSD")
-        labels: dict[tuple[float, float], list[str]] = {}  # thresholds that landed on the same point share a label
-        for r in fuzzy:
-            labels.setdefault((round(r["speedup"], 2), r["accuracy"]), []).append(f"{r['threshold']:g}")
-        for (speedup, accuracy), thresholds in labels.items():
-            ax.annotate("T=" + ", ".join(thresholds), (speedup, accuracy), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
-        for r in mine:
-            if r["method"] == LOSSLESS:
-                ax.plot(r["speedup"], r["accuracy"], "*", color=color, markersize=14, markeredgecolor="k",
-                        label=f"{bench}: lossless")
-            elif r["method"] == PLAIN:
-                ax.plot(r["speedup"], r["accuracy"], "s", color=color, markersize=8, markeredgecolor="k",
-                        label=f"{bench}: plain decoding")
-    ax.set_xlabel("speedup over plain decoding (tokens/s ratio)")
-    ax.set_ylabel("accuracy (HumanEval pass@1 / GSM8K exact match)")
-    ax.set_ylim(-0.03, 1.03)  # a fraction: a fixed scale keeps plots of different sweeps comparable
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    path = out_dir / "sweep.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def print_rows(rows: list[dict]) -> None:
-    print(f"{'bench':<10}{'method':<12}{'n':>5}{'accuracy':>10}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'fuzzy':>7}")
+    print(f"{'bench':<10}{'method':<22}{'n':>5}{'accuracy':>9}{'  Δ vs lossless [95% CI]':<26}{'p':>6}"
+          f"{'tok/s':>7}{'×lossless':>10}{'×plain':>7}{'tau':>6}{'fuzzy':>6}")
     for r in rows:
         def f(key, spec=".2f"):
             return "-" if r[key] is None else format(r[key], spec)
-        print(f"{r['bench']:<10}{r['method']:<12}{r['problems']:>5}{f('accuracy', '.3f'):>10}{f('tokens_per_s'):>9}"
-              f"{f('speedup'):>8}x{f('tau'):>7}{f('fuzzy_fraction'):>7}")
+        diff = f"{100 * r['diff_vs_lossless']:+.1f} [{100 * r['diff_low']:+.1f}, {100 * r['diff_high']:+.1f}]" \
+            if r["diff_vs_lossless"] is not None and r["diff_vs_lossless"] == r["diff_vs_lossless"] else "-"
+        print(f"{r['bench']:<10}{r['method']:<22}{r['problems']:>5}{f('accuracy', '.3f'):>9}  {diff:<24}"
+              f"{f('p_value'):>6}{f('tokens_per_s'):>7}{f('speedup_vs_lossless'):>9}x{f('speedup_vs_plain'):>6}x"
+              f"{f('tau'):>6}{f('fuzzy_fraction'):>6}")
 
 
 # ---------------------------------------------------------------- main
 def settings_of(settings: Settings) -> dict:
-    """What must not change within one out-dir (thresholds, benches and --limit may: records are per T/problem)."""
-    m, tree, gen, fsd = settings.model, settings.tree, settings.generation, settings.fsd
+    """What must not change within one out-dir (arms, benches and the problem selection may: records are per
+    arm and problem)."""
+    m, tree, gen = settings.model, settings.tree, settings.generation
     return {"model": m.model, "drafter": m.drafter, "ea_model_path": m.ea_model_path, "dtype": m.dtype,
             "total_token": tree.total_token, "depth": tree.depth, "top_k": tree.top_k,
             "max_new_token": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p,
-            "conv_template": m.conv_template, "fsd_divergence": fsd.divergence, "fsd_mode": fsd.mode}
+            "conv_template": m.conv_template, "fsd_exact_prefix": settings.fsd.exact_prefix}
 
 
-def prepare_out_dir(job: SweepJob) -> list[dict]:
+def prepare_out_dir(out: Path, settings: dict, resume: bool) -> list[dict]:
     """The records already there (with --resume) after checking they were made with the same settings."""
-    out, settings = job.out_dir, settings_of(job.settings)
     out.mkdir(parents=True, exist_ok=True)
     records_path, settings_path = out / "records.jsonl", out / "settings.json"
-    records = read_answers(records_path, repair=job.resume)
-    if records and not job.resume:
+    records = read_answers(records_path, repair=resume)
+    if records and not resume:
         raise SystemExit(f"{records_path} already holds {len(records)} results: pass --resume to continue it, or "
                          "choose another --out-dir")
     if settings_path.exists() and records:
@@ -215,40 +264,67 @@ def prepare_out_dir(job: SweepJob) -> list[dict]:
     return records
 
 
+def add_selection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=int, default=None, help="the first N problems of each benchmark")
+    p.add_argument("--sample", type=int, default=None,
+                   help="a fixed seeded subset of N problems of each benchmark larger than N (e.g. 250: all 164 "
+                        "HumanEval problems, 250 of GSM8K's 1,319)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of --sample")
+
+
+def check_counts(p: argparse.ArgumentParser, **counts) -> None:
+    for name, value in counts.items():
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} {value}: must be a positive number of problems")
+
+
 def parse_args(argv) -> SweepJob:
     p = argparse.ArgumentParser(prog="eagle-fsd sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, max_new_default=512, baseline_flag=False)  # plain decoding is always one of the rows
-    add_fsd_args(p, threshold_flag=False)  # --thresholds instead
-    p.add_argument("--bench", nargs="+", choices=sorted(BENCHES), default=["humaneval"])
-    p.add_argument("--thresholds", default="0.1,0.3,1,3", help="comma-separated FSD thresholds T")
-    p.add_argument("--limit", type=int, default=None, help="the first N problems of each benchmark")
+    add_model_args(p, max_new_default=512, baseline_flag=False)  # plain decoding is always one of the arms
+    add_fsd_args(p, threshold_flag=False)  # per arm instead
+    p.add_argument("--bench", nargs="+", choices=list(BENCHES), default=["humaneval"],
+                   help="humaneval (164, pass@1), gsm8k (1,319, exact match), gpqa (198 GPQA Diamond, 4 choices)")
+    p.add_argument("--thresholds", default=None,
+                   help="comma-separated FSD thresholds T for --fsd-divergence and --fsd-mode")
+    p.add_argument("--fsd", action="append", default=[], metavar="DIV[/RULE]:T1,T2",
+                   help="FSD arms, e.g. kl_qp:0.3,1,3 or kl_qp/original:1 (repeatable)")
+    add_selection_args(p)
+    p.add_argument("--plain-limit", type=int, default=None,
+                   help="plain decoding (the speed reference) on the first N selected problems only")
     p.add_argument("--out-dir", type=Path, default=Path("sweep_out"))
-    p.add_argument("--resume", action="store_true", help="skip (method, problem) pairs already in the out-dir")
+    p.add_argument("--resume", action="store_true", help="skip (arm, problem) pairs already in the out-dir")
     p.add_argument("--exec-timeout", type=float, default=humaneval.DEFAULT_TIMEOUT,
                    help="seconds a HumanEval program may run")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     args = p.parse_args(argv)
     settings = parse_settings(p, args)
-    if args.limit is not None and args.limit <= 0:
-        p.error(f"--limit {args.limit}: must be a positive number of problems")
-    return SweepJob(settings, args.bench, parse_thresholds(args.thresholds), args.out_dir, args.limit, args.resume,
-                    args.exec_timeout, args.warmup)
+    check_counts(p, limit=args.limit, sample=args.sample, plain_limit=args.plain_limit)
+    arms = arms_of(settings, args.thresholds, args.fsd)
+    return SweepJob(settings, args.bench, arms, args.out_dir, args.limit, args.sample, args.seed, args.plain_limit,
+                    args.resume, args.exec_timeout, args.warmup)
 
 
-def run_todo(job: SweepJob, todo: list, records: list[dict]) -> None:
-    """Generate and score every (bench, problem, method) left, appending each record as soon as it is scored."""
+def pending(problems: dict[str, list[dict]], arms: list[Arm], done: set, plain_limit: int | None) -> list[tuple]:
+    """(bench, problem, arm) still to run, problem by problem (every arm of problem i before problem i + 1)."""
+    return [(bench, p, arm) for bench, ps in problems.items() for i, p in enumerate(ps) for arm in arms
+            if (bench, arm.label, p["task_id"]) not in done
+            and not (arm.plain and plain_limit is not None and i >= plain_limit)]
+
+
+def run_todo(job: SweepJob, todo: list, records: list[dict], model=None) -> None:
+    """Generate and score every (bench, problem, arm) left, appending each record as soon as it is scored."""
     from tqdm import tqdm
 
-    model = load_model(job.settings)
+    model = model if model is not None else load_model(job.settings)
     fmt = PromptFormat(model.tokenizer, job.settings.model.conv_template)
     if job.warmup:
         warm_up(model, job.settings.generation, job.settings.fsd, fmt)
-    bar = tqdm(todo, unit="run", dynamic_ncols=True)
+    bar = tqdm(todo, unit="run", dynamic_ncols=True)  # its ETA: the mean time per run so far × runs left
     try:
-        for bench, problem, label, threshold in bar:
-            bar.set_description(f"{bench} {label}")
-            record = solve(model, fmt, bench, problem, job, label, threshold)
+        for bench, problem, arm in bar:
+            bar.set_description(f"{bench} {arm.label}")
+            record = solve(model, fmt, bench, problem, job, arm)
             append_record(job.out_dir / "records.jsonl", record)
             records.append(record)
     except KeyboardInterrupt:  # the results so far still make a summary and a plot
@@ -257,26 +333,38 @@ def run_todo(job: SweepJob, todo: list, records: list[dict]) -> None:
         bar.close()
 
 
-def main(argv=None) -> int:
-    job = parse_args(argv)
-    labels = methods(job.thresholds)
-    problems = {bench: BENCHES[bench].load_problems(job.limit) for bench in job.benches}
-    records = prepare_out_dir(job)
+def load_selection(job: SweepJob) -> dict[str, list[dict]]:
+    return {bench: select_problems(BENCHES[bench].load_problems(), job.limit, job.sample, job.seed)
+            for bench in job.benches}
+
+
+def run_sweep(job: SweepJob, model=None) -> list[dict]:
+    """Run what is left of `job` and write its summary and plots; the summary rows."""
+    problems = load_selection(job)
+    records = prepare_out_dir(job.out_dir, settings_of(job.settings), job.resume)
     done = {(r["bench"], r["method"], r["task_id"]) for r in records}
-    todo = [(bench, p, label, t) for bench, ps in problems.items() for p in ps for label, t in labels
-            if (bench, label, p["task_id"]) not in done]
+    todo = pending(problems, job.arms, done, job.plain_limit)
     if done:
         print(f"resuming {job.out_dir}: {len(done)} results there, {len(todo)} to go")
     if todo:
-        run_todo(job, todo, records)
+        run_todo(job, todo, records, model)
     selection = {bench: [p["task_id"] for p in ps] for bench, ps in problems.items()}
-    rows = summarize(records, selection, labels)
-    settings = job.settings
-    write_summary(job.out_dir, rows, settings_of(settings))
-    png = plot(job.out_dir, rows, f"{settings.model.model} ({settings.fsd.divergence}, {settings.fsd.mode}), "
-                                  f"temperature {settings.generation.temperature:g}")
+    rows = summarize(records, selection, job.arms)
+    write_summary(job.out_dir, rows, settings_of(job.settings), records)
+    gen = job.settings.generation
+    for bench in problems:
+        mine = [r for r in rows if r["bench"] == bench]
+        if mine:
+            plot_frontier(job.out_dir / f"frontier_{bench}.png", mine,
+                          f"{job.settings.model.model}, {bench}, temperature {gen.temperature:g}")
+    return rows
+
+
+def main(argv=None) -> int:
+    job = parse_args(argv)
+    rows = run_sweep(job)
     print_rows(rows)
-    print(f"wrote {job.out_dir / 'summary.csv'}, {job.out_dir / 'summary.json'} and {png}")
+    print(f"wrote {job.out_dir}/summary.csv, summary.json and frontier_<bench>.png")
     return 0
 
 

@@ -16,3 +16,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from eagle_fsd import presets
+
+    if not presets.is_fetched("smollm2-135m-instruct"):
+        pytest.skip("needs the SmolLM2 preset's tokenizer: eagle-fsd models fetch smollm2-135m-instruct")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(presets.resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(smollm2_tokenizer):
+    """A tiny random target drafting for itself (whole paths accepted: tau > 1), with SmolLM2's tokenizer and chat
+    template, for the harness commands."""
+    from eagle_fsd.drafters import LMDrafter
+    from eagle_fsd.model import EaFsdModel
+    from tiny import tiny_model
+
+    vocab = 49152  # SmolLM2's
+    target = tiny_model(vocab=vocab, seed=1, max_position_embeddings=4096)
+    return EaFsdModel(target, smollm2_tokenizer, LMDrafter(target, vocab), total_token=8, depth=3, top_k=2)

@@ -148,3 +148,50 @@ def test_fused_kernel_names_are_fsd_names():
 
     assert FUSED_DIVERGENCES and set(FUSED_DIVERGENCES) <= set(DIVERGENCES)
 
+
+# ---------------------------------------------------------------- exact prefix guard
+def test_keep_exact_restores_the_lossless_choices_above_a_depth():
+    tree = hand_tree()
+    target = torch.tensor([99, 98, 97, 96, 95, 94, 93])  # no child matches anywhere: lossless stops at the root
+    relaxed, blocked = fuzzy_choices(tree, target, torch.zeros(7), 1.0, "original")  # D = 0: every child taken
+    assert accept(tree, relaxed, blocked, target).tokens == [10, 20, 95]
+    from eagle_fsd.fsd import keep_exact
+
+    for depth, tokens in ((1, [99]), (2, [99])):  # the root's choice is exact: the step stops there
+        choice, kept_blocked = keep_exact(tree, target, relaxed, blocked, depth)
+        assert accept(tree, choice, kept_blocked, target).tokens == tokens
+    choice, kept_blocked = keep_exact(tree, target, relaxed, blocked, 0)
+    assert accept(tree, choice, kept_blocked, target).tokens == [10, 20, 95]
+    target[0] = 10  # the target takes child 10 itself; node 10 is still inside the exact prefix at depth 2
+    choice, kept_blocked = keep_exact(tree, target, relaxed, blocked, 2)
+    step = accept(tree, choice, kept_blocked, target)
+    assert step.tokens == [10, 98] and step.fuzzy == 0
+
+
+@pytest.mark.parametrize("mode", ["reducible", "original"])
+@pytest.mark.parametrize("prefix", [1, 7, 12])
+def test_exact_prefix_is_the_targets_own_then_fuzzy(mode, prefix):
+    """T = inf on a random pair accepts every draft token fuzzily; with exact_prefix L the first L new tokens are
+    the target's own greedy tokens, none fuzzy, and the token right after them is fuzzy again."""
+    target, model = pair(total_token=8, depth=4, top_k=1)
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True,
+                         fsd=FsdConfig(math.inf, "kl_qp", mode, exact_prefix=prefix))
+    greedy = hf_greedy(target, ids, 30)[0, 8:]
+    new = out.sequences[0, 8:]
+    assert torch.equal(new[:prefix], greedy[:prefix])
+    assert not any(out.fuzzy_mask[:prefix]) and out.fuzzy_mask[prefix]
+    assert not torch.equal(new, greedy)
+
+
+def test_exact_prefix_covering_the_reply_is_lossless():
+    target, model = pair(total_token=8, depth=4, top_k=1)
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(5))
+    out = model.generate(ids, max_new_tokens=20, eos_token_id=[], return_dict=True,
+                         fsd=FsdConfig(math.inf, exact_prefix=20))
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 20)) and sum(out.fuzzy_accepts) == 0
+
+
+def test_bad_exact_prefix_names_the_value():
+    with pytest.raises(ValueError, match="fsd_exact_prefix=-1"):
+        FsdConfig(1.0, exact_prefix=-1)

@@ -22,30 +22,14 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not presets.is_fetched("smollm2-135m-instruct"):
-        pytest.skip("needs the SmolLM2 preset's tokenizer: eagle-fsd models fetch smollm2-135m-instruct")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(presets.resolve_model("smollm2-135m-instruct"))
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    target = tiny_model(vocab=VOCAB, seed=1, max_position_embeddings=4096)
-    # The target drafting for itself accepts whole paths: tau > 1 shows up in the records.
-    return EaFsdModel(target, tokenizer, LMDrafter(target, VOCAB), total_token=8, depth=3, top_k=2)
-
-
 @pytest.fixture
-def use_model(monkeypatch, model):
+def use_model(monkeypatch, tiny_chat_model):
     """Every harness command gets the tiny model instead of loading --model."""
     calls = []
 
     def fake_load(args):
         calls.append(args)
-        return model
+        return tiny_chat_model
 
     monkeypatch.setattr(mtbench, "load_model", fake_load)
     monkeypatch.setattr(sweep, "load_model", fake_load)
@@ -239,49 +223,96 @@ def test_speed_names_a_missing_field(tmp_path):
         speed.report(path)
 
 
-# ---------------------------------------------------------------- sweep
+# ---------------------------------------------------------------- sweep (the FSD frontier runner)
+def sweep_argv(out, *extra):
+    return ["--model", "tiny", "--bench", "humaneval", "gsm8k", "--limit", "2", "--max-new-token", "8",
+            "--out-dir", str(out), "--exec-timeout", "5", "--no-warmup", *extra]
+
+
 def test_sweep_writes_csv_json_png_and_resumes(tmp_path, use_model, capsys):
     out = tmp_path / "sweep"
-
-    def argv(thresholds, *extra):
-        return ["--model", "tiny", "--bench", "humaneval", "gsm8k", "--limit", "2", "--thresholds", thresholds,
-                "--max-new-token", "8", "--out-dir", str(out), "--exec-timeout", "5", "--no-warmup", *extra]
-
-    assert sweep.main(argv("0.5,2")) == 0
+    assert sweep.main(sweep_argv(out, "--thresholds", "0.5,2", "--fsd", "jsd/original:0.3")) == 0
     records = mtbench.read_answers(out / "records.jsonl")
-    assert len(records) == 2 * 2 * 4  # benches x problems x (plain, lossless, T=0.5, T=2)
+    assert len(records) == 2 * 2 * 5  # benches x problems x (plain, lossless, kl_qp T=0.5, T=2, jsd original)
     import csv
 
     with open(out / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["bench"], r["method"]) for r in rows] == [
-        (b, m) for b in ("humaneval", "gsm8k") for m in ("plain", "lossless", "T=0.5", "T=2")]
+    methods = ["plain", "lossless", "kl_qp T=0.5", "kl_qp T=2", "jsd original T=0.3"]
+    assert [(r["bench"], r["method"]) for r in rows] == [(b, m) for b in ("humaneval", "gsm8k") for m in methods]
     assert all(r["problems"] == "2" and 0 <= float(r["accuracy"]) <= 1 for r in rows)
-    assert all(float(r["speedup"]) == pytest.approx(1.0) for r in rows if r["method"] == "plain")
-    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(float(r["speedup_vs_plain"]) == pytest.approx(1.0) for r in rows if r["method"] == "plain")
+    assert all(float(r["speedup_vs_lossless"]) == pytest.approx(1.0) for r in rows if r["method"] == "lossless")
+    assert {(r["divergence"], r["mode"]) for r in rows if r["method"].startswith("jsd")} == {("jsd", "original")}
+    for bench in ("humaneval", "gsm8k"):
+        assert (out / f"frontier_{bench}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["rows"][0]["method"] == "plain"
+    with open(out / "problems.csv") as f:
+        answers = list(csv.DictReader(f))
+    assert len(answers) == len(records) and {a["correct"] for a in answers} <= {"True", "False"}
 
     with pytest.raises(SystemExit, match="--resume"):
-        sweep.main(argv("0.5,2"))
+        sweep.main(sweep_argv(out, "--thresholds", "0.5,2"))
     loads = len(use_model)
-    assert sweep.main(argv("0.5,2,4", "--resume")) == 0  # one threshold more: only its runs are new
-    assert len(mtbench.read_answers(out / "records.jsonl")) == 2 * 2 * 5 and len(use_model) == loads + 1
+    assert sweep.main(sweep_argv(out, "--thresholds", "0.5,2,4", "--resume")) == 0  # only T=4's runs are new
+    assert len(mtbench.read_answers(out / "records.jsonl")) == 2 * 2 * 6 and len(use_model) == loads + 1
 
 
-def test_sweep_threshold_list_errors():
-    with pytest.raises(SystemExit, match="comma-separated"):
-        sweep.parse_thresholds("0.1;0.5")
-    with pytest.raises(SystemExit, match=">= 0"):
-        sweep.parse_thresholds("0.1,-1")
+def test_sweep_resumes_after_a_kill_without_losing_or_repeating(tmp_path, use_model, monkeypatch):
+    """A run stopped after 5 answers, its last line torn by the kill, resumes with exactly the missing runs."""
+    out = tmp_path / "killed"
+    calls = []
+    solve = sweep.solve
+
+    def dying_solve(*args):
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # what Ctrl-C raises; a SIGKILL leaves at most a torn line, added below
+        calls.append(args[2:4])
+        return solve(*args)
+
+    monkeypatch.setattr(sweep, "solve", dying_solve)
+    argv = sweep_argv(out, "--thresholds", "1", "--plain-limit", "1")
+    sweep.main(argv)
+    with open(out / "records.jsonl", "a") as f:
+        f.write('{"bench": "gsm8k", "task_id": "gsm8k/0", "meth')
+    monkeypatch.setattr(sweep, "solve", solve)
+    calls.clear()
+    monkeypatch.setattr(sweep, "solve", lambda *args: calls.append(args[2:4]) or solve(*args))
+    assert sweep.main(argv + ["--resume"]) == 0
+    records = mtbench.read_answers(out / "records.jsonl")
+    keys = [(r["bench"], r["task_id"], r["method"]) for r in records]
+    # 2 benches x 2 problems x (lossless, T=1) + plain on the first problem of each = 10, none twice
+    assert len(keys) == len(set(keys)) == 10 and len(calls) == 5
+    assert sum(r["method"] == "plain" for r in records) == 2
 
 
-def test_sweep_method_settings_change_only_the_method():
-    job = sweep.parse_args(["--model", "m", "--fsd-divergence", "tv", "--temperature", "0.7"])
-    plain_gen, plain_fsd = sweep.method_settings(job.settings, sweep.PLAIN, None)
-    fuzzy_gen, fuzzy_fsd = sweep.method_settings(job.settings, "T=2", 2.0)
-    assert plain_gen.baseline and not fuzzy_gen.baseline and plain_fsd.threshold is None
-    assert (fuzzy_fsd.threshold, fuzzy_fsd.divergence, fuzzy_gen.temperature) == (2.0, "tv", 0.7)
-    assert job.settings.generation.baseline is False and job.settings.fsd.threshold is None  # unchanged
+def test_sweep_arm_specs_and_errors():
+    job = sweep.parse_args(["--model", "m", "--fsd-divergence", "tv", "--thresholds", "0.5",
+                            "--fsd", "kl_pq:1,2", "--fsd", "kl_qp/original:3", "--fsd", "tv:0.5",
+                            "--fsd-exact-prefix", "4"])
+    assert [a.label for a in job.arms] == ["plain", "lossless", "tv T=0.5", "kl_pq T=1", "kl_pq T=2",
+                                           "kl_qp original T=3"]
+    assert job.arms[0].plain and job.arms[1].fsd is None
+    assert (job.arms[5].fsd.divergence, job.arms[5].fsd.mode, job.arms[5].fsd.threshold) == ("kl_qp", "original", 3)
+    assert all(a.fsd.exact_prefix == 4 for a in job.arms[2:])
+    for spec, message in (("kl:1", "DIVERGENCE"), ("kl_qp/lossy:1", "RULE"), ("kl_qp", "DIVERGENCE"),
+                          ("kl_qp:0.1;0.5", "comma-separated"), ("kl_qp:0.1,-1", ">= 0")):
+        with pytest.raises(SystemExit, match=message):
+            sweep.parse_arm_spec(spec)
+
+
+def test_sweep_problem_selection():
+    problems = [{"task_id": i} for i in range(10)]
+    picked = sweep.select_problems(problems, sample=4, seed=3)
+    assert picked == sweep.select_problems(problems, sample=4, seed=3)  # fixed by the seed
+    assert len(picked) == 4 and [p["task_id"] for p in picked] == sorted(p["task_id"] for p in picked)
+    assert picked != sweep.select_problems(problems, sample=4, seed=4)
+    assert sweep.select_problems(problems, sample=20) == problems  # fewer problems than the sample: all
+    assert sweep.select_problems(problems, limit=3) == problems[:3]
+    todo = sweep.pending({"b": problems[:3]}, [sweep.Arm("plain", plain=True), sweep.Arm("lossless")],
+                         {("b", "lossless", 1)}, plain_limit=2)
+    assert [(p["task_id"], a.label) for _, p, a in todo] == [(0, "plain"), (0, "lossless"), (1, "plain"),
+                                                               (2, "lossless")]
 
 
 # ---------------------------------------------------------------- HumanEval execution (subprocess, never in-process)
@@ -324,9 +355,26 @@ def test_code_extraction():
 def test_gsm8k_answers():
     first = gsm8k.load_problems(2)[0]
     assert first["target"] == "18" and first["task_id"] == "gsm8k/0"
-    assert gsm8k.is_correct(first, "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18")
-    assert gsm8k.is_correct(first, "She makes $18.00 every day.")  # no '####': the last number
-    assert not gsm8k.is_correct(first, "#### 19\nor maybe 18")
+    assert gsm8k.judge(first, "16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18")[0]
+    assert gsm8k.judge(first, "She makes $18.00 every day.")[0]  # no '####': the last number
+    assert not gsm8k.judge(first, "#### 19\nor maybe 18")[0]
     assert gsm8k.extract_answer("#### $1,234.50") == "1234.5"
     assert gsm8k.extract_answer("no numbers here") is None
     assert gsm8k.extract_answer("It is -3.") == "-3"
+
+
+def test_gpqa_problems_and_answers():
+    from eagle_fsd.eval import gpqa
+
+    problems = gpqa.load_problems()
+    assert len(problems) == 198 and problems == gpqa.load_problems()  # the shuffle is fixed per question
+    first = problems[0]
+    assert sorted(first["choices"]) == sorted(["10^-4 eV", "10^-11 eV", "10^-8 eV", "10^-9 eV"])
+    assert first["choices"]["ABCD".index(first["target"])] == "10^-4 eV"  # the file's correct answer
+    assert {p["target"] for p in problems} == set("ABCD")  # not always the first choice
+    message = gpqa.user_message(first)
+    assert "Answer: $LETTER" in message and f"{first['target']}) 10^-4 eV" in message
+    assert gpqa.judge(first, f"Step by step...\nAnswer: {first['target']}") == (True, f"answer {first['target']}, "
+                                                                                   f"target {first['target']}")
+    assert gpqa.extract_answer("**Answer: c**") == "C" and gpqa.extract_answer("Answer: D\nAnswer: A") == "A"
+    assert gpqa.extract_answer("I cannot tell.") is None

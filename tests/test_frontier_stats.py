@@ -1,0 +1,65 @@
+"""The frontier runner's statistics against values computed by hand."""
+import math
+
+import pytest
+
+from eagle_fsd.eval import stats, sweep
+
+
+def test_wilson_interval_hand_values():
+    # 8/10, z = 1.959964: centre 0.8 + z²/20 = 0.99207, half z·sqrt(0.016 + z²/400) = 0.31362, scale 1 + z²/10
+    assert stats.wilson_interval(8, 10) == pytest.approx((0.49016, 0.94332), abs=1e-5)
+    assert stats.wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=1e-5)  # z²/10 / (1 + z²/10)
+    assert stats.normal_quantile(0.975) == pytest.approx(1.959964, abs=1e-6)
+
+
+def test_mcnemar_exact_hand_values():
+    assert stats.mcnemar_exact(1, 6) == pytest.approx(2 * (1 + 7) / 2 ** 7)  # 0.125
+    assert stats.mcnemar_exact(0, 5) == pytest.approx(2 / 2 ** 5)
+    assert stats.mcnemar_exact(3, 3) == 1.0 and stats.mcnemar_exact(0, 0) == 1.0
+
+
+def test_paired_difference_hand_values():
+    # resampling 2 problems with differences (1, 0): means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4, so the
+    # 2.5 % and 97.5 % percentiles are 0 and 1
+    d = stats.paired_difference([False, True], [True, True])
+    assert (d.difference, d.low, d.high, d.only_first, d.only_second) == (0.5, 0.0, 1.0, 0, 1)
+    same = stats.paired_difference([True, False, True], [True, False, True])
+    assert (same.difference, same.low, same.high, same.p_value) == (0.0, 0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="same problems"):
+        stats.paired_difference([True], [True, False])
+
+
+def test_paired_speedup_of_a_constant_ratio_is_exact():
+    ratio, low, high = stats.paired_speedup([10, 20, 30], [1, 2, 3], [10, 20, 30], [2, 4, 6])
+    assert (ratio, low, high) == pytest.approx((2.0, 2.0, 2.0))
+
+
+def record(task, method, correct, tokens=10, seconds=1.0, steps=5, accepted=5, fuzzy=0):
+    return {"bench": "b", "task_id": task, "method": method, "correct": correct, "new_tokens": tokens,
+            "wall_time": seconds, "verify_steps": steps, "accepted": accepted, "fuzzy": fuzzy}
+
+
+def test_summary_rows_hand_values():
+    records = []
+    for task, lossless, fuzzy in zip("abcd", (1, 1, 0, 1), (1, 0, 0, 1)):
+        records.append(record(task, "plain", lossless, seconds=4.0, steps=10, accepted=0))
+        records.append(record(task, "lossless", lossless, seconds=2.0))
+        records.append(record(task, "kl_qp T=1", fuzzy, seconds=1.0, steps=4, accepted=6, fuzzy=2))
+    arms = [sweep.Arm("plain", plain=True), sweep.Arm("lossless"), sweep.fsd_arm("kl_qp", "reducible", 1.0)]
+    plain, lossless, fsd = sweep.summarize(records, {"b": list("abcd")}, arms)
+    assert (fsd["accuracy"], fsd["diff_vs_lossless"], fsd["only_lossless"], fsd["only_this"]) == (0.5, -0.25, 1, 0)
+    assert fsd["p_value"] == 1.0  # one discordant problem: 2 · P(X <= 0 | n = 1) = 1
+    assert fsd["accuracy_low"] == pytest.approx(stats.wilson_interval(2, 4)[0])
+    assert fsd["tau"] == (24 + 16) / 16 and fsd["fuzzy_fraction"] == 8 / 24
+    assert (fsd["speedup_vs_lossless"], fsd["speedup_vs_plain"]) == pytest.approx((2.0, 4.0))
+    assert (fsd["tokens_per_s"], lossless["tokens_per_s"], plain["tokens_per_s"]) == (10.0, 5.0, 2.5)
+    assert lossless["diff_vs_lossless"] == 0.0 and math.isclose(lossless["speedup_vs_plain"], 2.0)
+    # plain decoding ran on a subset only: speedups over it use the problems it ran
+    subset = [r for r in records if not (r["method"] == "plain" and r["task_id"] != "a")]
+    rows = sweep.summarize(subset, {"b": list("abcd")}, arms)
+    assert rows[0]["problems"] == 1 and rows[2]["speedup_vs_plain"] == pytest.approx(4.0)
+    # lossless has not reached problem d yet: the paired difference is over a, b, c only
+    partial = [r for r in records if not (r["method"] == "lossless" and r["task_id"] == "d")]
+    fsd = sweep.summarize(partial, {"b": list("abcd")}, arms)[2]
+    assert fsd["problems"] == 4 and fsd["diff_vs_lossless"] == pytest.approx(-1 / 3)
