@@ -38,9 +38,9 @@ from eagle_fsd.eval.mtbench import append_record, read_answers
 from eagle_fsd.eval.stats import bootstrap_indices, paired_difference, percentile_interval
 from eagle_fsd.files import cache_dir
 from eagle_fsd.fsd import FsdConfig
-from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.model import load_model
-from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
+from eagle_fsd.prompts import PromptFormat, generate_reply
+from eagle_fsd.settings import add_fsd_args, add_model_args, add_threads_arg, parse_settings
 
 
 # ---------------------------------------------------------------- choosing T (pure)
@@ -258,6 +258,7 @@ def parse_args(argv) -> CalibrateJob:
     p = argparse.ArgumentParser(prog="eagle-fsd calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, max_new_default=512, baseline_flag=False)
+    add_threads_arg(p)
     add_fsd_args(p, threshold_flag=False)
     p.add_argument("--budget", type=float, default=1.0, help="accuracy points FSD may cost (default 1)")
     p.add_argument("--bench", nargs="+", choices=sorted(sweep.BENCHES), default=["humaneval"])

@@ -37,7 +37,7 @@ from eagle_fsd.eval.stats import paired_difference, paired_speedup, wilson_inter
 from eagle_fsd.fsd import DIVERGENCES, FSD_MODES, FsdConfig
 from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
-from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, parse_settings
+from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 from eagle_fsd.tree.accept import tokens_per_step
 
 BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k, "gpqa": gpqa}
@@ -243,7 +243,7 @@ def settings_of(settings: Settings) -> dict:
     return {"model": m.model, "drafter": m.drafter, "ea_model_path": m.ea_model_path, "dtype": m.dtype,
             "total_token": tree.total_token, "depth": tree.depth, "top_k": tree.top_k,
             "max_new_token": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p,
-            "conv_template": m.conv_template, "fsd_exact_prefix": settings.fsd.exact_prefix}
+            "conv_template": m.conv_template, "threads": m.threads, "fsd_exact_prefix": settings.fsd.exact_prefix}
 
 
 def prepare_out_dir(out: Path, settings: dict, resume: bool) -> list[dict]:
@@ -282,6 +282,7 @@ def parse_args(argv) -> SweepJob:
     p = argparse.ArgumentParser(prog="eagle-fsd sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, max_new_default=512, baseline_flag=False)  # plain decoding is always one of the arms
+    add_threads_arg(p)
     add_fsd_args(p, threshold_flag=False)  # per arm instead
     p.add_argument("--bench", nargs="+", choices=list(BENCHES), default=["humaneval"],
                    help="humaneval (164, pass@1), gsm8k (1,319, exact match), gpqa (198 GPQA Diamond, 4 choices)")

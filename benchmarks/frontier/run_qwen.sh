@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The FSD frontier of Qwen2.5-Coder-1.5B-Instruct drafted by the 0.5B, all engine settings at their defaults (auto).
+# Resumable: every step appends to its out-dir's records.jsonl and skips what is there, so rerun this script after a
+# stop (or in a later session) and it continues. Time it on a quiet machine (nothing else running).
+# About 15 s per (arm, problem) at 2 threads on a 2 vCPU AMD EPYC: 414 problems x 4 arms ~ 7 h, the HumanEval extras
+# ~ 1.4 h.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/frontier/qwen}
+COMMON=(--model qwen2.5-coder-1.5b-instruct --threads 2 --max-new-token 512 --plain-limit 20 --resume)
+# lossless and three thresholds of the best divergence from the pilot, HumanEval (all 164) and GSM8K (250, seed 0)
+eagle-fsd sweep "${COMMON[@]}" --bench humaneval gsm8k --sample 250 --fsd kl_qp:2,8,32 --out-dir "$OUT"
+# a second divergence and the original rule at one threshold each, HumanEval
+eagle-fsd sweep "${COMMON[@]}" --bench humaneval --sample 250 --fsd kl_qp:2,8,32 --fsd jsd:0.5 \
+    --fsd kl_qp/original:8 --out-dir "$OUT"
