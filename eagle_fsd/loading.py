@@ -47,8 +47,8 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
     fixed, auto = requested_tree(base_model in presets.PRESETS, tree)
     path = presets.resolve_model(base_model)
+    kind, source = drafter_source(base_model, ea_model_path, draft_model)  # a bad head fails before the target loads
     target, tokenizer = load_target(path, dtype, device_map, prepack, kwargs)
-    kind, source = drafter_source(base_model, ea_model_path, draft_model)
     drafter = build_drafter(kind, source, target, tokenizer, attention)
     prepare_weights(target, drafter, prepack, draft_quant)
     provisional = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES))

@@ -8,7 +8,9 @@ Library code (loading.load_model, prompts.generate_reply, the harness functions,
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from eagle_fsd.attention import BACKENDS
 from eagle_fsd.dtypes import DTYPES
@@ -18,6 +20,14 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DTYPE_NAMES = (*sorted(DTYPES), "auto")
 ATTENTION_NAMES = BACKENDS
 AUTO = "auto"  # a tree setting the measured cost model chooses (eagle_fsd.tune)
+
+
+def check_model_dir(flag: str, value) -> None:
+    """A model or head named by a local directory must hold its config.json: said before anything loads (a
+    preset name or hub id is checked where it is resolved)."""
+    if isinstance(value, str) and Path(value).is_dir() and not (Path(value) / "config.json").is_file():
+        raise ValueError(f"{flag} {value}: the directory has no config.json; give a Hugging Face model folder (or, "
+                         "for an EAGLE head, its folder with config.json and model.safetensors / pytorch_model.bin)")
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,13 @@ class ModelSettings:
     device: str | None = None
     prepack: str = "auto"
     draft_quant: str = "auto"
+
+    def __post_init__(self):
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
+            raise ValueError(f"threads={self.threads!r} must be a positive int (default: torch's choice)")
+        for flag, value in (("--model", self.model), ("--drafter", self.drafter), ("--ea-model-path",
+                                                                                  self.ea_model_path)):
+            check_model_dir(flag, value)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -72,6 +89,15 @@ class GenerationSettings:
     top_p: float = 1.0
     top_k: int = 0
     baseline: bool = False
+
+    def __post_init__(self):
+        n, t, p = self.max_new_tokens, self.temperature, self.top_p
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"max_new_tokens={n!r} must be a positive int (e.g. --max-new-tokens 128)")
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature={t!r} must be a number >= 0 (0 = greedy)")
+        if not (isinstance(p, (int, float)) and 0 < p <= 1):
+            raise ValueError(f"top_p={p!r} must be in (0, 1] (1 = off)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GenerationSettings:

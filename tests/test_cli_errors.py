@@ -103,3 +103,44 @@ def test_flags_become_typed_settings():
     assert s.tree == settings.TreeSettings(12, "auto", "auto")
     assert s.generation == settings.GenerationSettings(7, 0.5, 1.0, 0, baseline=False)
     assert (s.fsd.threshold, s.fsd.divergence, s.fsd.mode) == (0.3, "tv", "original")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "-5"], "max_new_tokens=-5 must be a positive int"),
+    (["--max-new-tokens", "0"], "max_new_tokens=0 must be a positive int"),
+    (["--temperature", "-0.5"], "temperature=-0.5 must be a number >= 0"),
+    (["--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+])
+def test_cli_run_rejects_bad_sampling_flags_before_loading(no_model_loading, capsys, argv, message):
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", *argv])
+    assert exit_.value.code == 2 and time.perf_counter() - start < 10
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--ea-model-path", "--drafter", "--model"])
+def test_cli_run_rejects_a_folder_without_config_before_loading(no_model_loading, capsys, tmp_path, flag):
+    empty = tmp_path / "head"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", flag, str(empty)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {empty}: the directory has no config.json" in err
+
+
+def test_a_bad_head_fails_before_the_target_loads(tmp_path, monkeypatch):
+    """From Python too: the head is looked at before the (large) target is read."""
+    from eagle_fsd import loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the head was checked")
+
+    monkeypatch.setattr(loading, "load_target", refuse)
+    empty = tmp_path / "head"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        EaFsdModel.from_pretrained("smollm2-135m-instruct", ea_model_path=str(empty), total_token=4, depth=1,
+                                   top_k=2, dtype="fp32")
