@@ -169,6 +169,7 @@ def calibrate_accuracy(job: CalibrateJob, model) -> dict:
     return {"mode": "accuracy", "budget_points": job.budget, "choices": result}
 
 
+@torch.no_grad()
 def reply_nll(model, prompt_ids: torch.Tensor, reply_ids: torch.Tensor) -> float:
     """Σ −log p_target(reply token | prompt, earlier reply tokens), nats, raw distribution (temperature 1)."""
     target = model.base_model

@@ -28,17 +28,19 @@ def plot_frontier(path: Path, rows: list[dict], title: str) -> Path:
         points.sort(key=lambda r: r["threshold"])
         xs = [r["speedup_vs_lossless"] for r in points]
         ys = [r["accuracy"] for r in points]
-        yerr = [[max(y - (base + r["diff_low"]), 0) for y, r in zip(ys, points)],
-                [max(base + r["diff_high"] - y, 0) for y, r in zip(ys, points)]] if base is not None else None
+        yerr = [[max(y - max(base + r["diff_low"], 0), 0) for y, r in zip(ys, points)],
+                [max(min(base + r["diff_high"], 1) - y, 0) for y, r in zip(ys, points)]] if base is not None else None
         xerr = [[max(x - r["speedup_low"], 0) for x, r in zip(xs, points)],
                 [max(r["speedup_high"] - x, 0) for x, r in zip(xs, points)]]
         label = divergence if mode == "reducible" else f"{divergence} ({mode})"
         ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt="o-", color=f"C{i}", capsize=3, label=label)
         for x, y, r in zip(xs, ys, points):
-            ax.annotate(f"T={r['threshold']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(f"T={r['threshold']:g}", (x, y), textcoords="offset points", xytext=(4, 4 - 11 * i),
+                        fontsize=8, color=f"C{i}")
     plain = next((r for r in rows if r["method"] == "plain" and r["speedup_vs_lossless"]), None)
     if plain:
-        ax.plot(plain["speedup_vs_lossless"], plain["accuracy"], "s", color="grey", label="plain decoding")
+        ax.plot(plain["speedup_vs_lossless"], plain["accuracy"], "s", color="grey",
+                label=f"plain decoding ({plain['problems']} problems)")
     ax.set_xlabel("speedup over lossless speculative decoding (tokens/s ratio, same problems)")
     ax.set_ylabel("accuracy")
     ax.set_title(title, fontsize=10)
