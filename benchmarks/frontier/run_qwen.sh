@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/frontier/qwen}
 COMMON=(--model qwen2.5-coder-1.5b-instruct --threads 2 --max-new-token 512 --plain-limit 20 --resume)
 # lossless and three thresholds of the best divergence from the pilot, HumanEval (all 164) and GSM8K (250, seed 0)
-eagle-fsd sweep "${COMMON[@]}" --bench humaneval gsm8k --sample 250 --fsd kl_qp:2,8,32 --out-dir "$OUT"
+eagle-fsd sweep "${COMMON[@]}" --bench humaneval gsm8k --sample 250 --fsd kl_qp:0.5,2,8 --out-dir "$OUT"
 # a second divergence and the original rule at one threshold each, HumanEval
-eagle-fsd sweep "${COMMON[@]}" --bench humaneval --sample 250 --fsd kl_qp:2,8,32 --fsd jsd:0.5 \
-    --fsd kl_qp/original:8 --out-dir "$OUT"
+eagle-fsd sweep "${COMMON[@]}" --bench humaneval --sample 250 --fsd kl_qp:0.5,2,8 --fsd jsd:0.5 \
+    --fsd kl_qp/original:2 --out-dir "$OUT"
