@@ -112,6 +112,7 @@ class SweepJob:
     resume: bool = False
     exec_timeout: float = humaneval.DEFAULT_TIMEOUT
     warmup: bool = True
+    summary_only: bool = False      # write the summary and plots of the records there, run nothing
 
 
 def select_problems(problems: list[dict], limit: int | None = None, sample: int | None = None,
@@ -298,12 +299,14 @@ def parse_args(argv) -> SweepJob:
     p.add_argument("--exec-timeout", type=float, default=humaneval.DEFAULT_TIMEOUT,
                    help="seconds a HumanEval program may run")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--summary-only", action="store_true",
+                   help="summarize the out-dir's records (e.g. of a stopped run) without running anything")
     args = p.parse_args(argv)
     settings = parse_settings(p, args)
     check_counts(p, limit=args.limit, sample=args.sample, plain_limit=args.plain_limit)
     arms = arms_of(settings, args.thresholds, args.fsd)
     return SweepJob(settings, args.bench, arms, args.out_dir, args.limit, args.sample, args.seed, args.plain_limit,
-                    args.resume, args.exec_timeout, args.warmup)
+                    args.resume or args.summary_only, args.exec_timeout, args.warmup, args.summary_only)
 
 
 def pending(problems: dict[str, list[dict]], arms: list[Arm], done: set, plain_limit: int | None) -> list[tuple]:
@@ -347,7 +350,7 @@ def run_sweep(job: SweepJob, model=None) -> list[dict]:
     todo = pending(problems, job.arms, done, job.plain_limit)
     if done:
         print(f"resuming {job.out_dir}: {len(done)} results there, {len(todo)} to go")
-    if todo:
+    if todo and not job.summary_only:
         run_todo(job, todo, records, model)
     selection = {bench: [p["task_id"] for p in ps] for bench, ps in problems.items()}
     rows = summarize(records, selection, job.arms)

@@ -278,6 +278,8 @@ def test_sweep_resumes_after_a_kill_without_losing_or_repeating(tmp_path, use_mo
     monkeypatch.setattr(sweep, "solve", solve)
     calls.clear()
     monkeypatch.setattr(sweep, "solve", lambda *args: calls.append(args[2:4]) or solve(*args))
+    assert sweep.main(argv + ["--summary-only"]) == 0 and not calls  # summarizes the 5 there, runs nothing
+    assert len(mtbench.read_answers(out / "records.jsonl")) == 5 and (out / "summary.csv").is_file()
     assert sweep.main(argv + ["--resume"]) == 0
     records = mtbench.read_answers(out / "records.jsonl")
     keys = [(r["bench"], r["task_id"], r["method"]) for r in records]
