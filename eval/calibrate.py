@@ -144,6 +144,11 @@ def scores_of(records: list[dict]) -> dict[str, dict]:
     return table
 
 
+def keys(problems: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """(bench, task_id) of every problem: how records are matched across arms."""
+    return [(bench, p["task_id"]) for bench, ps in problems.items() for p in ps]
+
+
 def calibrate_accuracy(job: CalibrateJob, model) -> dict:
     """Choose T per (divergence, rule) on the calibration split, then measure it on the held-out split."""
     sj = job.sweep
@@ -151,7 +156,6 @@ def calibrate_accuracy(job: CalibrateJob, model) -> dict:
     calibration, held_out = split(sweep.load_selection(sj), sj.seed)
     records = sweep.prepare_out_dir(sj.out_dir, sweep.settings_of(sj.settings), sj.resume)
     run_arms(sj, calibration, candidates, records, model)
-    keys = lambda part: [(b, p["task_id"]) for b, ps in part.items() for p in ps]  # noqa: E731
     choices = choose_by_accuracy(scores_of(records), candidates, keys(calibration), job.budget)
     chosen = [a for a in candidates if a.fsd is None
               or choices[(a.fsd.divergence, a.fsd.mode)][0] == a.fsd.threshold]

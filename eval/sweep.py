@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, replace
@@ -230,7 +231,7 @@ def print_rows(rows: list[dict]) -> None:
         def f(key, spec=".2f"):
             return "-" if r[key] is None else format(r[key], spec)
         diff = f"{100 * r['diff_vs_lossless']:+.1f} [{100 * r['diff_low']:+.1f}, {100 * r['diff_high']:+.1f}]" \
-            if r["diff_vs_lossless"] is not None and r["diff_vs_lossless"] == r["diff_vs_lossless"] else "-"
+            if r["diff_vs_lossless"] is not None and not math.isnan(r["diff_vs_lossless"]) else "-"
         print(f"{r['bench']:<10}{r['method']:<22}{r['problems']:>5}{f('accuracy', '.3f'):>9}  {diff:<24}"
               f"{f('p_value'):>6}{f('tokens_per_s'):>7}{f('speedup_vs_lossless'):>9}x{f('speedup_vs_plain'):>6}x"
               f"{f('tau'):>6}{f('fuzzy_fraction'):>6}")
