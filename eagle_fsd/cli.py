@@ -43,12 +43,14 @@ def run_main(argv=None) -> int:
 
     from eagle_fsd.prepack import is_prepacked
     from eagle_fsd.prompts import PromptFormat
-    from eagle_fsd.model import load_model
+    from eagle_fsd.model import exactness, load_model
     from eagle_fsd.quant import quant_bits
 
     settings, args = parse_run_args(argv)
     model = load_model(settings)
     tok = model.tokenizer
+    if settings.fsd.threshold is None and settings.generation.temperature == 0:
+        print(f"exactness: {exactness(model.base_model.dtype)}")
     if model.tuning is not None:
         from eagle_fsd.tune import describe
 

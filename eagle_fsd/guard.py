@@ -32,14 +32,26 @@ class SpeedGuard:
     When the last `window` speculative steps took `margin` longer than their plain equivalent, the next `backoff`
     tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses). The
     window and margin keep a few unlucky steps of a speculation that pays on average from switching it off.
-    plain_ms None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss)."""
+    plain_ms None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss).
+    The profile's t_plain is only the starting point: once plain steps have run, t_plain is what they measured,
+    brought to the profile's machine speed (seconds / slowdown), so a profile that misjudges plain decoding or
+    verification heals within a generation (plain steps are timed the same way as speculative ones)."""
 
     def __init__(self, plain_ms: float | None = None, verify_ms: dict[int, float] | None = None, window: int = 16,
                  backoff: int = 32, start_plain: bool = False, margin: float = 0.05):
         self.plain_ms, self.verify_ms = plain_ms, verify_ms or {}
         self.window, self.backoff, self.margin = window, backoff, margin
         self.recent: deque[tuple[float, float]] = deque(maxlen=window)  # (seconds, plain-equivalent seconds)
+        self.plain_seen: deque[tuple[float, int, float]] = deque(maxlen=64)  # (seconds, tokens, tokens x slowdown)
         self.plain_left = backoff if start_plain and plain_ms is not None else 0
+
+    MIN_PLAIN_TOKENS = 8  # plain tokens measured before their rate replaces the profile's
+
+    def plain_seconds(self) -> float:
+        """t_plain at the profile's machine speed, in seconds: measured by the plain steps seen, else the profile's."""
+        if sum(t for _, t, _ in self.plain_seen) < self.MIN_PLAIN_TOKENS:
+            return self.plain_ms / 1000
+        return sum(s for s, _, _ in self.plain_seen) / sum(w for _, _, w in self.plain_seen)
 
     def speculate(self) -> bool:
         return self.plain_left <= 0
@@ -57,8 +69,10 @@ class SpeedGuard:
             return
         if not speculative:
             self.plain_left -= tokens
+            if verify_seconds > 0:
+                self.plain_seen.append((seconds, tokens, tokens * self._slowdown(verify_seconds, tree_size)))
             return
-        plain_equivalent = tokens * self.plain_ms / 1000 * self._slowdown(verify_seconds, tree_size)
+        plain_equivalent = tokens * self.plain_seconds() * self._slowdown(verify_seconds, tree_size)
         self.recent.append((seconds, plain_equivalent))
         if (len(self.recent) == self.window
                 and sum(s for s, _ in self.recent) > (1 + self.margin) * sum(p for _, p in self.recent)):

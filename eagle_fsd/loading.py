@@ -24,7 +24,7 @@ from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import autotune, resolve_draft_quant, resolve_dtype, resolve_prepack
 
 EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
-TREE_NAMES = ("total_token", "depth", "branching")  # TreeShape's names of the same
+TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's names (and the draft vocabulary)
 
 
 def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
@@ -34,9 +34,9 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     EAGLE-1/2 or EAGLE-3 head (dir or hub id); draft_model: a causal LM sharing the tokenizer (name, dir, hub id or a
     loaded model) or a directory holding an EAGLE head. Without either, the preset's own drafter (the EAGLE head
     shipped for it, else its sibling LM).
-    tree: EAGLE's (total_token, depth, top_k), each an int, "auto" (the shape the measured cost model predicts
-    fastest on this machine; measured once, cached; plain decoding when nothing pays) or None ("auto" for a
-    preset, else EAGLE's default).
+    tree: EAGLE's (total_token, depth, top_k) and optionally the draft vocabulary size, each an int, "auto" (the
+    shape the measured cost model predicts fastest on this machine; measured once, cached, checked at each load;
+    plain decoding when nothing pays) or None ("auto" for a preset, else EAGLE's default; see requested_tree).
     dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32 (a name such
     as "bf16" or a torch.dtype forces it).
     prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed once
@@ -51,20 +51,25 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     target, tokenizer = load_target(path, dtype, device_map, prepack, kwargs)
     drafter = build_drafter(kind, source, target, tokenizer, attention)
     prepare_weights(target, drafter, prepack, draft_quant)
-    provisional = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES))
-    model = cls(target, tokenizer, drafter, shape=provisional, attention=attention)
     if drafter is None or not auto:
-        return model
+        shape = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES[:3]), fixed.get("draft_vocab", 0))
+        return cls(target, tokenizer, drafter, shape=shape, attention=attention)
+    provisional = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES[:3]))  # what is measured
+    model = cls(target, tokenizer, drafter, shape=provisional, attention=attention)
     tuning = autotune(model, base_model, drafter_name=source, fixed=fixed, progress=tune_progress)
     return cls(target, tokenizer, drafter, shape=tuning.tree, attention=attention, tuning=tuning)
 
 
 def requested_tree(preset: bool, tree: tuple) -> tuple[dict, list[str]]:
     """({TreeShape field: int} of the values given, [fields left to the cost model]) from EAGLE's (total_token,
-    depth, top_k); unset values are "auto" for a preset, else EAGLE's defaults. Checked before anything loads."""
+    depth, top_k) and the draft vocabulary size; unset values are "auto" for a preset, else EAGLE's defaults; an
+    unset draft vocabulary is "auto" while another value is, else 0 (the full vocabulary). Checked before anything
+    loads."""
     values = [("auto" if preset else default) if value is None else value
-              for value, default in zip(tree, EAGLE_DEFAULTS)]
-    TreeShape(*(1 if v == AUTO else v for v in values))  # a bad value fails here
+              for value, default in zip(tree[:3], EAGLE_DEFAULTS)]
+    draft_vocab = tree[3] if len(tree) > 3 else None
+    values.append((AUTO if AUTO in values else 0) if draft_vocab is None else draft_vocab)
+    TreeShape(*(1 if v == AUTO else v for v in values[:3]), 0 if values[3] == AUTO else values[3])  # bad values fail
     fixed = {name: v for name, v in zip(TREE_NAMES, values) if v != AUTO}
     return fixed, [name for name, v in zip(TREE_NAMES, values) if v == AUTO]
 
@@ -156,7 +161,8 @@ def load_model(cls, settings: Settings):
     if m.threads:
         torch.set_num_threads(m.threads)
     model = cls.from_pretrained(m.model, ea_model_path=m.ea_model_path, draft_model=m.drafter,
-                                total_token=tree.total_token, depth=tree.depth, top_k=tree.top_k, dtype=m.dtype,
+                                total_token=tree.total_token, depth=tree.depth, top_k=tree.top_k,
+                                draft_vocab=tree.draft_vocab, dtype=m.dtype,
                                 device_map=m.device, attention=m.attention, prepack=m.prepack,
                                 draft_quant=m.draft_quant)
     if model.drafter is None and not settings.generation.baseline:

@@ -12,6 +12,7 @@ from eagle_fsd import loading, vocab
 from eagle_fsd.attention import check_attention_support, check_backend
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import grow_tree
+from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
 from eagle_fsd.guard import PhaseClock, SpeedGuard
@@ -96,6 +97,19 @@ class DrafterReader:
             self.behind.append((tokens, hidden))
 
 
+def exactness(dtype: torch.dtype) -> str:
+    """What lossless greedy speculation guarantees in `dtype`: in fp32 the target's own greedy tokens; in a 16-bit
+    dtype the target's greedy choice computed by forwards over several tokens, whose rounding depends on how many
+    tokens a forward holds (measured agreement with plain decoding: README, BENCHMARKS.md)."""
+    if dtype in (torch.float32, torch.float64):
+        return "greedy output is the target's own greedy output, token for token"
+    name = dtype_name(dtype)
+    return (f"in {name} each greedy token is the target's top choice after the same prefix, but the target scores "
+            f"a step's tokens in one forward and {name} rounds differently with the number of tokens scored, so a "
+            "near-tied choice can flip against one-token-at-a-time decoding and the text part from there "
+            "(`eagle-fsd bench` counts the outputs identical to plain decoding); --dtype fp32 gives the target's exact greedy output")
+
+
 def eos_token_ids(model, eos_token_id=None) -> set[int]:
     """The stop tokens: `eos_token_id` (an id or a list) if given, else the model's generation config's."""
     eos = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
@@ -150,13 +164,16 @@ class EaFsdModel(torch.nn.Module):
     def from_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
                         total_token: int | str | None = None, depth: int | str | None = None,
                         top_k: int | str | None = None, dtype="auto", device_map=None, attention: str = "auto",
-                        tune_progress: bool = True, prepack="auto", draft_quant="auto", **kwargs):
+                        tune_progress: bool = True, prepack="auto", draft_quant="auto",
+                        draft_vocab: int | str | None = None, **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory; ea_model_path: an
         EAGLE-1/2 or EAGLE-3 head, or draft_model: a causal LM sharing the tokenizer (default: the preset's drafter).
         total_token / depth / top_k: ints (EAGLE's meaning) or "auto", the shape the measured cost model predicts
-        fastest here (unset: "auto" for a preset, else EAGLE's 60, 5, 10). dtype, prepack, draft_quant: "auto" or
+        fastest here (unset: "auto" for a preset, else EAGLE's 60, 5, 10); draft_vocab: the drafter scores the N
+        most frequent tokens (0: all; unset: "auto" while the tree is). dtype, prepack, draft_quant: "auto" or
         forced; see eagle_fsd.loading.load_pretrained."""
-        return loading.load_pretrained(cls, base_model, ea_model_path, draft_model, (total_token, depth, top_k),
+        return loading.load_pretrained(cls, base_model, ea_model_path, draft_model,
+                                       (total_token, depth, top_k, draft_vocab),
                                        dtype=dtype, device_map=device_map, attention=attention,
                                        tune_progress=tune_progress, prepack=prepack, draft_quant=draft_quant,
                                        **kwargs)
@@ -325,8 +342,8 @@ class EaFsdModel(torch.nn.Module):
         if self._tuning is None:
             return SpeedGuard(None)
         t = self._tuning
-        if not t.speculate:  # predicted to lose: plain first, speculation re-tried after 128 tokens
-            return SpeedGuard(t.plain_ms, t.verify_ms, backoff=128, start_plain=True)
+        if not t.speculate:  # predicted to lose: plain first (timing t_plain), speculation probed after 32 tokens
+            return SpeedGuard(t.plain_ms, t.verify_ms, backoff=32, start_plain=True)
         return SpeedGuard(t.plain_ms, t.verify_ms)
 
     def _verify(self, tree, cache, layers: tuple[int, ...] | None = None):

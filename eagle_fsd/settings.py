@@ -65,18 +65,20 @@ class ModelSettings:
 @dataclass(frozen=True)
 class TreeSettings:
     """The draft tree: total_token nodes incl. the root, depth draft forwards, top_k branching (EAGLE's names);
-    each a positive int or "auto"."""
+    each a positive int or "auto". draft_vocab: the drafter scores the N most frequent tokens (0: all), "auto", or
+    None: "auto" while any other setting is, else 0."""
 
     total_token: int | str = AUTO
     depth: int | str = AUTO
     top_k: int | str = AUTO
+    draft_vocab: int | str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TreeSettings:
-        return cls(args.total_token, args.depth, args.top_k)
+        return cls(args.total_token, args.depth, args.top_k, args.draft_vocab)
 
     def as_list(self) -> list:
-        return [self.total_token, self.depth, self.top_k]
+        return [self.total_token, self.depth, self.top_k, self.draft_vocab]
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ def add_model_args(p: argparse.ArgumentParser, max_new_flag: tuple[str, ...] = (
     p.add_argument("--depth", type=tree_arg, default=AUTO, help="draft forwards per step, or auto")
     p.add_argument("--top-k", type=tree_arg, default=AUTO,
                    help="draft tree branching (EAGLE's --top-k), not sampling; or auto")
+    p.add_argument("--draft-vocab", type=vocab_arg, default=None,
+                   help="the drafter scores only the N most frequent tokens (0: all of them), or auto; default: auto "
+                        "when the tree is auto, else 0. Give all four tree settings to pin the tree")
     p.add_argument(*max_new_flag, dest="max_new_token", type=int, default=max_new_default)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -187,18 +192,27 @@ def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True, diverg
                    help="verify the first L new tokens of a reply losslessly, FSD after them (default 0)")
 
 
-def tree_arg(text: str):
-    """A tree setting: a positive int (EAGLE's meaning) or "auto" (the cost model's choice)."""
+def int_or_auto(text: str, minimum: int, expected: str):
+    """An int >= minimum or "auto"; otherwise a usage error saying what was `expected`."""
     if text == AUTO:
         return text
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int or 'auto' (EAGLE's GPU defaults: "
-                                         "total_token 60, depth 5, top_k 10)")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
     return value
+
+
+def tree_arg(text: str):
+    """A tree setting: a positive int (EAGLE's meaning) or "auto" (the cost model's choice)."""
+    return int_or_auto(text, 1, "a positive int or 'auto' (EAGLE's GPU defaults: total_token 60, depth 5, top_k 10)")
+
+
+def vocab_arg(text: str):
+    """A draft vocabulary size: an int >= 0 (0: the full vocabulary) or "auto"."""
+    return int_or_auto(text, 0, "a draft vocabulary size (an int >= 0; 0 = the full vocabulary) or 'auto'")
 
 
 def parse_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:

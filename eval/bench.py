@@ -130,7 +130,7 @@ def run(job: BenchJob) -> dict:
     hf_method(model.base_model, 8)(ids_list[0][:, :16])
     totals = {m: defaultdict(float) for m in methods}
     per_question = {m: [] for m in methods}
-    reference = []
+    reference, plain_reference = [], []
     for qi, ids in enumerate(ids_list):
         for name, fn in methods.items():
             out = fn(ids)
@@ -152,8 +152,22 @@ def run(job: BenchJob) -> dict:
                 reference.append(seq)
             elif not name.startswith("fsd"):
                 t["identical"] += int(torch.equal(seq, reference[qi]))
+                t["shared_with_hf"] += shared_prefix(seq, reference[qi], ids.shape[1])
+                if name == "plain":
+                    plain_reference.append(seq)
+                elif plain_reference:
+                    t["identical_to_plain"] += int(torch.equal(seq, plain_reference[qi]))
+                    t["shared_with_plain"] += shared_prefix(seq, plain_reference[qi], ids.shape[1])
         print(f"question {qi + 1}/{len(ids_list)} done", flush=True)
     return summarize(model, job.settings, ids_list, totals, per_question)
+
+
+def shared_prefix(sequence: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> int:
+    """How many new tokens two outputs share before they first differ."""
+    a, b = sequence[0, prompt_len:], reference[0, prompt_len:]
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else n
 
 
 def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict:
@@ -172,6 +186,11 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
             row["phase_seconds"] = {p: round(t[f"phase_{p}"], 2) for p in PHASES if f"phase_{p}" in t}
         if name != "hf-generate" and not name.startswith("fsd"):
             row["identical_to_hf_generate"] = f"{int(t['identical'])}/{len(ids_list)}"
+            # new tokens equal to the reference's before the first difference, averaged over the questions
+            row["shared_prefix_with_hf_generate"] = round(t["shared_with_hf"] / len(ids_list), 1)
+            if name != "plain" and "plain" in totals:
+                row["identical_to_plain"] = f"{int(t['identical_to_plain'])}/{len(ids_list)}"
+                row["shared_prefix_with_plain"] = round(t["shared_with_plain"] / len(ids_list), 1)
         rows.append(row)
     m = settings.model
     draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
@@ -201,12 +220,13 @@ def print_table(result: dict) -> None:
           f"{result['max_new_tokens']} new tokens, {result['threads']} threads, tree (total_token, depth, top_k) = "
           f"{tuple(result['tree'])}, draft vocabulary {result.get('draft_vocab', 'full')}, drafter weights "
           f"{result['draft_weights']}, {result['device']}")
-    print(f"{'method':<22}{'tok/s':>8}{'vs HF':>8}{'min q':>7}{'tau':>7}{'fuzzy':>7}{'same as HF':>12}")
+    print(f"{'method':<22}{'tok/s':>8}{'vs HF':>8}{'min q':>7}{'tau':>7}{'fuzzy':>7}{'same as HF':>12}"
+          f"{'same as plain':>15}")
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         fuzzy = f"{r['fuzzy_fraction']:.2f}" if "fuzzy_fraction" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>8.2f}{r['speedup']:>7.2f}x{r['speedup_min_question']:>6.2f}x"
-              f"{tau:>7}{fuzzy:>7}{r.get('identical_to_hf_generate', '-'):>12}")
+              f"{tau:>7}{fuzzy:>7}{r.get('identical_to_hf_generate', '-'):>12}{r.get('identical_to_plain', '-'):>15}")
     if "predicted_speedup_over_plain" in result:
         print(f"cost model: predicted {result['predicted_speedup_over_plain']:.2f}x over plain for these prompts and "
               f"tokens ({result['predicted_speedup_over_plain_per_token']:.2f}x per new token, prefill aside), "

@@ -8,6 +8,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The tuner's busy-machine check (eagle_fsd.tune.trust) sees a quiet machine in every test, whatever else runs
+    on the test machine; a test of the check sets other clocks."""
+    from eagle_fsd.tune.trust import TimingWatch
+    from tiny import machine_clocks
+
+    monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(1.0)))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls: intra-op threads only add contention (a 30-token generate goes from ~0.5 s to ~10 s on a busy

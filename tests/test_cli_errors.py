@@ -100,9 +100,21 @@ def test_flags_become_typed_settings():
                                "--max-new-tokens", "7", "--temperature", "0.5", "--fsd-threshold", "0.3",
                                "--fsd-divergence", "tv", "--fsd-mode", "original"])
     assert s.model == settings.ModelSettings("m", "d", None, "auto", "auto", None, None)
-    assert s.tree == settings.TreeSettings(12, "auto", "auto")
+    assert s.tree == settings.TreeSettings(12, "auto", "auto", None)
+    pinned, _ = cli.parse_run_args(["--total-token", "5", "--depth", "1", "--top-k", "4", "--draft-vocab", "37888"])
+    assert pinned.tree == settings.TreeSettings(5, 1, 4, 37888)
+
     assert s.generation == settings.GenerationSettings(7, 0.5, 1.0, 0, baseline=False)
     assert (s.fsd.threshold, s.fsd.divergence, s.fsd.mode) == (0.3, "tv", "original")
+
+
+@pytest.mark.parametrize("value", ["-1", "many"])
+def test_cli_run_rejects_a_bad_draft_vocab(no_model_loading, capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--draft-vocab", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --draft-vocab" in err and repr(value) in err and "0 = the full vocabulary" in err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -573,7 +573,13 @@ def test_a_drafter_directory_holding_a_head_is_loaded_as_one(tmp_path, target, f
 def test_requested_tree_fills_unset_values_and_checks_before_loading():
     from eagle_fsd.loading import requested_tree
 
-    assert requested_tree(True, (None, 3, None)) == ({"depth": 3}, ["total_token", "branching"])
-    assert requested_tree(False, (None, None, 4)) == ({"total_token": 60, "depth": 5, "branching": 4}, [])
+    assert requested_tree(True, (None, 3, None)) == ({"depth": 3}, ["total_token", "branching", "draft_vocab"])
+    assert requested_tree(False, (None, None, 4)) == (
+        {"total_token": 60, "depth": 5, "branching": 4, "draft_vocab": 0}, [])  # a fixed tree drafts over all tokens
+    assert requested_tree(True, (5, 1, 4, 37888)) == (  # all four given: the tree is pinned, nothing is tuned
+        {"total_token": 5, "depth": 1, "branching": 4, "draft_vocab": 37888}, [])
+    assert requested_tree(True, (5, 1, 4, "auto")) == ({"total_token": 5, "depth": 1, "branching": 4}, ["draft_vocab"])
     with pytest.raises(ValueError, match="branching"):
         requested_tree(False, (8, 3, 0))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        requested_tree(False, (8, 3, 2, -1))

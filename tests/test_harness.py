@@ -380,3 +380,13 @@ def test_gpqa_problems_and_answers():
                                                                                    f"target {first['target']}")
     assert gpqa.extract_answer("**Answer: c**") == "C" and gpqa.extract_answer("Answer: D\nAnswer: A") == "A"
     assert gpqa.extract_answer("I cannot tell.") is None
+
+
+def test_bench_shared_prefix_counts_new_tokens_before_the_first_difference():
+    from eagle_fsd.eval.bench import shared_prefix
+
+    ref = torch.tensor([[7, 7, 1, 2, 3, 4]])  # a 2-token prompt, then 1 2 3 4
+    assert shared_prefix(ref, ref, 2) == 4
+    assert shared_prefix(torch.tensor([[7, 7, 1, 2, 9, 4]]), ref, 2) == 2
+    assert shared_prefix(torch.tensor([[7, 7, 5, 2, 3, 4]]), ref, 2) == 0
+    assert shared_prefix(torch.tensor([[7, 7, 1, 2]]), ref, 2) == 2  # one stopped early: the shorter length

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eagle_fsd import presets
 from eagle_fsd.attention import ATTENTION_NAME
 from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter, head_config
-from eagle_fsd.model import EaFsdModel
+from eagle_fsd.model import EaFsdModel, exactness
 from eagle_fsd.quant import MAX_QUANT_ROWS, quant_supported, quantize_linears
 
 pytestmark = pytest.mark.slow
@@ -154,4 +154,27 @@ def test_auto_settings_tune_once_and_stay_lossless():
         out = model.generate(ids, max_new_tokens=48, return_dict=True)
         assert torch.equal(out.sequences, model.naive_generate(ids, max_new_tokens=48))
     again = EaFsdModel.from_pretrained("smollm2-135m-instruct", dtype=torch.float32)
-    assert again.tuning.path == tuning.path and again.tuning.shape == tuning.shape
+    assert again.tuning.path == tuning.path  # the same cache entry (checked at load, re-timed only if it drifted)
+
+
+def test_bf16_speculation_parts_from_plain_decoding_only_at_near_ties(smollm2):
+    """The README's bf16 statement: speculation scores a step's tokens in one forward, and bf16 rounds differently
+    with the number of tokens, so its greedy text may part from plain bf16 decoding, but only where the target's
+    (fp32) top two choices nearly tie. Where they agree, nothing is claimed beyond equality."""
+    target32, _, tok = smollm2
+    model = EaFsdModel.from_pretrained("smollm2-135m-instruct", dtype=torch.bfloat16, total_token=24, depth=5,
+                                       top_k=4, draft_vocab=0)
+    assert "fp32" in exactness(torch.bfloat16) and "token for token" in exactness(torch.float32)
+    for text in PROMPTS:
+        ids = encode(tok, text)
+        spec = model.generate(ids, max_new_tokens=96)
+        plain = model.naive_generate(ids, max_new_tokens=96)
+        n = min(spec.shape[1], plain.shape[1])
+        differ = (spec[0, :n] != plain[0, :n]).nonzero()
+        if not differ.numel():
+            continue
+        at = int(differ[0, 0])
+        with torch.no_grad():
+            logits = target32(spec[:, :at]).logits[0, -1]
+        gap = (logits[spec[0, at]] - logits[plain[0, at]]).abs().item()
+        assert gap < 0.5, (text, at, gap)  # a near-tie (the logits are ~20), not a wrong choice

@@ -14,7 +14,7 @@ from eagle_fsd.model import EaFsdModel, SpeedGuard
 from eagle_fsd.tree.accept import accept
 from eagle_fsd.tree.dynamic import DraftPool, grow_pool, select_tree
 from eagle_fsd.tree.shape import TreeShape
-from tiny import hf_greedy, tiny_model
+from tiny import WordTokenizer, hf_greedy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -150,21 +150,6 @@ def test_speed_guard_judges_by_the_machine_speed_now():
     for _ in range(4):  # at the profiled speed the same steps lose
         guard.record(True, tokens=2, seconds=0.4, verify_seconds=0.15, tree_size=4)
     assert not guard.speculate()
-
-
-class WordTokenizer:
-    """Enough of a tokenizer for the tuner's calibration prompts on a tiny model."""
-    chat_template = None
-
-    def __call__(self, text, return_tensors="pt"):
-        ids = [sum(map(ord, w)) % 1000 for w in text.split()]
-        return {"input_ids": torch.tensor([ids])}
-
-    def get_vocab(self):
-        return {f"t{i}": i for i in range(1000)}
-
-    def __len__(self):
-        return 1000
 
 
 def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):

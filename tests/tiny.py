@@ -25,3 +25,30 @@ def hf_greedy(model, ids, n):
     """The target's own greedy continuation through transformers' generate (no eos stop)."""
     return model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
                           pad_token_id=0)
+
+
+def machine_clocks(share: float):
+    """Clocks (wall, CPU of this process) of a machine on which our threads get `share` of their CPU time
+    (1: a quiet machine), for eagle_fsd.tune.trust.TimingWatch."""
+    import time
+
+    def clocks():
+        wall = time.perf_counter()
+        return wall, wall * share * torch.get_num_threads()
+
+    return clocks
+
+
+class WordTokenizer:
+    """Enough of a tokenizer for the tuner's calibration prompts on a tiny model."""
+    chat_template = None
+
+    def __call__(self, text, return_tensors="pt"):
+        ids = [sum(map(ord, w)) % 1000 for w in text.split()]
+        return {"input_ids": torch.tensor([ids])}
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(1000)}
+
+    def __len__(self):
+        return 1000

@@ -19,22 +19,23 @@ the replay is exact, and one pool per top_k serves every depth and size). `choos
 is below 1 the engine decodes plainly. Profiles are cached as JSON per model, drafter, device, dtype and threads.
 
 Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
-(timing the terms, TuneSettings), store (the JSON cache, autotune), dtype (dtype, prepack and
+(timing the terms, TuneSettings, the check of a cached profile at load), trust (whether the machine was quiet
+enough to cache what was timed), store (the JSON cache, autotune), dtype (dtype, prepack and
 draft_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other
 public names are re-exported here.
 """
 from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,
                                   resolve_prepack)
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
-                                    calibration_prompts, device_name, measure, measure_costs, measure_overhead,
-                                    timed_rounds)
+                                    calibration_prompts, check_costs, device_name, measure, measure_costs,
+                                    measure_overhead, timed_rounds)
 from eagle_fsd.tune.profile import CostProfile, Tuning, choose_shape, describe, tuning_from
 from eagle_fsd.tune.replay import accepted_lengths, accepted_path, cut_to_vocab, replay, target_hidden, walk_tau
-from eagle_fsd.tune.store import TUNE_VERSION, autotune, cache_key, cache_path, load_or_measure
+from eagle_fsd.tune.store import TUNE_VERSION, autotune, cache_key, cache_path, load_or_measure, read_profile
 
 __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "CostProfile", "DraftSetup",
            "TuneSettings", "Tuning", "accepted_lengths", "accepted_path", "autotune",
-           "cache_key", "cache_path", "calibration_prompts", "choose_shape", "cpu_flags",
+           "cache_key", "cache_path", "calibration_prompts", "check_costs", "choose_shape", "cpu_flags",
            "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
-           "measure_costs", "measure_overhead", "native_bf16", "replay",
+           "measure_costs", "measure_overhead", "native_bf16", "read_profile", "replay",
            "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]

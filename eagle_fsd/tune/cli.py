@@ -14,7 +14,7 @@ from eagle_fsd.quant import quant_bits
 from eagle_fsd.settings import DTYPE_NAMES, add_kernel_args
 from eagle_fsd.tune.measure import TuneSettings
 from eagle_fsd.tune.profile import CostProfile, choose_shape
-from eagle_fsd.tune.store import load_or_measure
+from eagle_fsd.tune.store import load_or_measure, read_profile
 
 
 def main(argv=None) -> int:
@@ -26,7 +26,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     add_kernel_args(p)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--force", action="store_true",
+                   help="measure again even if a cached profile exists, and cache the result even if the machine "
+                        "was busy while tuning (without it a busy machine's profile is used once, not cached)")
     p.add_argument("--top", type=int, default=8, help="print the N best shapes")
     p.add_argument("--plot", default=None, help="write the cost curves (t_verify(n) / t_verify(1)) to this PNG")
     p.add_argument("--mtbench", type=int, default=0, metavar="N",
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
-                                       dtype=args.dtype, total_token=1, depth=1, top_k=1,  # the tree is measured below
+                                       dtype=args.dtype, total_token=1, depth=1, top_k=1, draft_vocab=0,  # measured below
                                        prepack=args.prepack, draft_quant=args.draft_quant)
     if model.drafter is None:
         raise ValueError(f"{args.model!r} has no default drafter: pass --drafter or --ea-model-path")
@@ -45,8 +47,10 @@ def main(argv=None) -> int:
         texts = tuple(q["turns"][0] for q in load_questions()[: args.mtbench])
         settings = TuneSettings(prompts=len(texts), prompt_texts=texts)
     drafter_name = preset_drafter_name(args.model, args.ea_model_path, args.drafter)  # as from_pretrained names it
-    profile, path = load_or_measure(model, args.model, drafter_name, refresh=args.refresh, settings=settings)
-    print(f"cost profile: {path}")
+    profile, path = load_or_measure(model, args.model, drafter_name, force=args.force, settings=settings)
+    cached = read_profile(path)
+    written = cached is not None and cached.conditions.get("measured_at") == profile.conditions.get("measured_at")
+    print(f"cost profile: {path}" + ("" if written else " (not written: timed on a busy machine)"))
     bits = quant_bits(model.drafter.module)
     print(f"drafter weights: {f'int{bits}' if bits else 'as loaded'} (--draft-quant)")
     print(format_profile(profile, args.top))

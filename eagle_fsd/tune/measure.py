@@ -8,7 +8,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from eagle_fsd.hf import causal_mask, decoder_forward
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune.profile import CostProfile, choose_shape
 from eagle_fsd.tune.replay import RANKS, replay, target_hidden, tau_by_shape
+from eagle_fsd.tune.trust import TimingWatch
 
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
 TOP_KS = (1, 2, 4, 8)  # candidate branching (EAGLE's top_k)
@@ -31,7 +32,8 @@ class TuneSettings:
     """How much the tuner measures. Up to prompts x new_tokens calibration positions (fewer for an expensive
     drafter, to keep the replay near replay_seconds); top_ks / max_depth / sizes bound the shapes tried (top_ks
     None: chosen from the drafter's cost); vocabs None: the full vocabulary plus the reduced sizes of
-    vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats."""
+    vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats; on a busy
+    machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait seconds, up to retries times."""
 
     prompts: int = 6
     new_tokens: int = 64
@@ -42,6 +44,8 @@ class TuneSettings:
     rounds: int = 7
     replay_seconds: float = 45.0
     prompt_texts: tuple[str, ...] | None = None  # None: the shipped calibration prompts
+    retries: int = 2
+    busy_wait: float = 10.0
 
 
 def _sync():
@@ -49,10 +53,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def timed_rounds(fns: dict, rounds: int, before=None) -> dict:
+def timed_rounds(fns: dict, rounds: int, before=None, watch: TimingWatch | None = None) -> dict:
     """Median ms of each fn, measured round-robin (every round times each fn once), so that slow drift of a
-    shared machine hits all of them alike. `before` runs untimed ahead of each call (e.g. evicting caches)."""
+    shared machine hits all of them alike. `before` runs untimed ahead of each call (e.g. evicting caches).
+    `watch` records the CPU share and the spread of the rounds (eagle_fsd.tune.trust)."""
     times = {key: [] for key in fns}
+    started = watch.start() if watch is not None else None
     for _ in range(rounds):
         for key, fn in fns.items():
             if before is not None:
@@ -62,6 +68,8 @@ def timed_rounds(fns: dict, rounds: int, before=None) -> dict:
             fn()
             _sync()
             times[key].append((time.perf_counter() - start) * 1000)
+    if watch is not None:
+        watch.stop(started, times)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -101,7 +109,12 @@ class DraftSetup:
         d.rewind(self.length)
 
 
-def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rounds: int):
+def new_watch(model) -> TimingWatch:
+    return TimingWatch(torch.get_num_threads(), on_cpu=model.base_model.device.type == "cpu")
+
+
+def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rounds: int,
+                  watch: TimingWatch | None = None):
     """verify_ms per tree size, level_ms per (k, v), extend_ms per v; draft forwards run between the timed
     target forwards, as in the engine (they evict the target's weights from the caches)."""
     target, drafter = model.base_model, model.drafter
@@ -122,7 +135,8 @@ def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rou
 
     setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
     verify(1)
-    verify_ms = timed_rounds({n: (lambda n=n: verify(n)) for n in sizes}, rounds, before=lambda: setup.level(1))
+    verify_ms = timed_rounds({n: (lambda n=n: verify(n)) for n in sizes}, rounds, before=lambda: setup.level(1),
+                             watch=watch)
     level_ms, extend_ms = {}, {}
     for v, ids in vocabs.items():
         with drafter.drafting_over(ids):
@@ -130,7 +144,7 @@ def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rou
             fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
             fns["extend"] = setup.extend
             setup.level(1)
-            timed = timed_rounds(fns, rounds, before=lambda: verify(1))
+            timed = timed_rounds(fns, rounds, before=lambda: verify(1), watch=watch)
         extend_ms[v] = timed.pop("extend")
         level_ms.update({(k, v): t for (_, k), t in timed.items()})
     return verify_ms, level_ms, extend_ms
@@ -217,8 +231,8 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         vocabs = draft_vocabularies(model, settings, level1 < 0.2 * step_ms)
         biggest_pool = max(k + settings.max_depth * k * k for k in top_ks) + 1
         sizes = tuple(sorted({1} | {n for n in settings.sizes if n <= biggest_pool}))
-        verify_ms, level_ms, extend_ms = measure_costs(model, first.sequences[0], sizes, top_ks, vocabs,
-                                                       settings.rounds)
+        (verify_ms, level_ms, extend_ms), watch = costs_when_quiet(model, first.sequences[0], sizes, top_ks, vocabs,
+                                                                   settings, progress)
         # t_plain = t_verify(1), timed with the other sizes, + the loop's own per-token work
         plain_ms = verify_ms[1] + plain_loop_ms(plain)
         rows, ranks, continuations = replay_prompts(model, ids, plain, top_ks, settings, sizes, progress)
@@ -227,11 +241,83 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
                           rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)])
     profile.overhead_ms = measure_overhead(model, ids[0], profile, settings.new_tokens)
     with torch.no_grad():
-        profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds)
+        profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds,
+                                                                       watch)
+    profile.conditions = watch.conditions()
     return profile
 
 
-def measure_prefill(model, prompt: torch.Tensor, rounds: int) -> tuple[float, float]:
+def costs_when_quiet(model, context, sizes, top_ks, vocabs, settings: TuneSettings, progress: bool):
+    """measure_costs, timed again after a pause while the machine looks busy (up to settings.retries times):
+    ((verify_ms, level_ms, extend_ms), the watch of the attempt kept)."""
+    for attempt in range(settings.retries + 1):
+        watch = new_watch(model)
+        costs = measure_costs(model, context, sizes, top_ks, vocabs, settings.rounds, watch)
+        busy = watch.busy_reason()
+        if busy is None or attempt == settings.retries:
+            return costs, watch
+        if progress:
+            print(f"eagle-fsd: the machine looks busy ({busy}); timing again in {settings.busy_wait:.0f} s",
+                  file=sys.stderr)
+        time.sleep(settings.busy_wait)
+
+
+def check_costs(model, profile: CostProfile, margin: float = 1.25, rounds: int = 3,
+                settings: TuneSettings | None = None) -> tuple[CostProfile, str]:
+    """A cached profile checked against this machine now: a short plain run and a few timed forwards of the terms of
+    the profile's best shape (t_plain, t_verify(1), t_verify(n), t_level(k, v)). When one of them, relative to
+    t_plain, is off by more than `margin` either way on a quiet machine, every cost is timed again (acceptance is
+    kept: it does not depend on the machine). Returns (the profile to use, what was found); the profile is `profile`
+    itself when it held."""
+    settings = settings or TuneSettings()
+    n, _, k, v = choose_shape(profile)[0]
+    device = model.base_model.device
+    prompt = calibration_prompts(model.tokenizer, 1, settings.prompt_texts)[0][0].to(device)
+    watch = new_watch(model)
+    with torch.no_grad():
+        run = model.naive_generate(prompt[None], max_new_tokens=24, return_dict=True)
+        context = run.sequences[0]
+        verify_ms, level_ms, _ = measure_costs(model, context, (1, n), (k,), {v: vocab_ids(model, v)}, rounds, watch)
+    busy = watch.busy_reason()
+    if busy is not None:
+        return profile, f"not checked: the machine is busy now ({busy})"
+    now = {"t_plain": verify_ms[1] + plain_loop_ms([run]), "t_verify(1)": verify_ms[1], f"t_verify({n})": verify_ms[n],
+           f"t_level({k}, {v or 'full'})": level_ms[(k, v)]}
+    cached = {"t_plain": profile.plain_ms, "t_verify(1)": profile.verify_ms[1], f"t_verify({n})": profile.verify_ms[n],
+              f"t_level({k}, {v or 'full'})": profile.level_ms[(k, v)]}
+    drift, off = disagreements(cached, now, margin)
+    if not off:
+        return profile, f"checked: its costs hold on this machine now (all x{drift:.2f} of the cached ones)"
+    found = ", ".join(f"{name} {cached[name]:.1f} ms cached, {now[name]:.1f} ms now" for name in off)
+    sizes = tuple(sorted(profile.verify_ms))
+    top_ks = tuple(sorted({kk for kk, _ in profile.level_ms}))
+    vocabs = {vv: vocab_ids(model, vv) for vv in sorted(profile.extend_ms)}
+    with torch.no_grad():
+        (verify_ms, level_ms, extend_ms), watch = costs_when_quiet(model, context, sizes, top_ks, vocabs, settings,
+                                                                   progress=False)
+        prefill_ms, draft_prefill_ms = measure_prefill(model, prompt, settings.rounds, watch)
+    healed = replace(profile, verify_ms=verify_ms, level_ms=level_ms, extend_ms=extend_ms,
+                     plain_ms=verify_ms[1] + plain_loop_ms([run]), prefill_ms=prefill_ms,
+                     draft_prefill_ms=draft_prefill_ms, conditions={**watch.conditions(), "healed_from": found})
+    return healed, f"re-timed: it disagreed with this machine now ({found})"
+
+
+def disagreements(cached: dict[str, float], now: dict[str, float], margin: float) -> tuple[float, list[str]]:
+    """(drift = t_plain now / cached, the terms off by more than `margin` either way once scaled by the drift).
+    A machine uniformly slower or faster now than when tuned keeps every choice (the speed guard follows its speed):
+    what must hold is each cost relative to t_plain."""
+    drift = now["t_plain"] / cached["t_plain"]
+    return drift, [name for name in now if not 1 / margin <= now[name] / (cached[name] * drift) <= margin]
+
+
+def vocab_ids(model, size: int):
+    """The target ids of a draft vocabulary of `size` tokens (0: None, the full vocabulary)."""
+    if not size:
+        return None
+    return vocab_tables.draft_vocab(vocab_tables.frequency_order(model.tokenizer), size).to(model.base_model.device)
+
+
+def measure_prefill(model, prompt: torch.Tensor, rounds: int, watch: TimingWatch | None = None) -> tuple[float, float]:
     """ms per prompt token of the target's prefill (forward from an empty cache, lm_head on the last position)
     and of the drafter's (over the same prompt, from the target's features), timed round-robin."""
     target, drafter = model.base_model, model.drafter
@@ -249,7 +335,7 @@ def measure_prefill(model, prompt: torch.Tensor, rounds: int) -> tuple[float, fl
         drafter.reset(n + 1)
         drafter.prefill(ids[:-1], ids[-1], hidden[:-1])
 
-    timed = timed_rounds({"target": target_prefill, "drafter": draft_prefill}, rounds)
+    timed = timed_rounds({"target": target_prefill, "drafter": draft_prefill}, rounds, watch=watch)
     return timed["target"] / n, timed["drafter"] / n
 
 

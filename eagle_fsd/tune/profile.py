@@ -32,6 +32,7 @@ class CostProfile:
     rank_histogram: list[float] = field(default_factory=list)  # P(target's token is the drafter's r-th choice)
     prefill_ms: float = 0.0                     # per prompt token: the target's prefill
     draft_prefill_ms: float = 0.0               # per prompt token: the drafter's prefill
+    conditions: dict = field(default_factory=dict)  # how the timings were taken (eagle_fsd.tune.trust)
 
     def step_ms(self, shape: Shape) -> float:
         n, d, k, v = shape
@@ -66,17 +67,19 @@ class CostProfile:
 
 
 def choose_shape(profile: CostProfile, total_token: int | None = None, depth: int | None = None,
-                 branching: int | None = None) -> tuple[Shape, float]:
+                 branching: int | None = None, draft_vocab: int | None = None) -> tuple[Shape, float]:
     """The shape (n, d, k, v) with the highest predicted speedup (ties: the smaller tree), among those matching the
     fixed values given. Returns (shape, predicted speedup)."""
     candidates = [s for s in profile.tau
                   if (total_token is None or s[0] == total_token) and (depth is None or s[1] == depth)
-                  and (branching is None or s[2] == branching) and s[0] in profile.verify_ms
+                  and (branching is None or s[2] == branching) and (draft_vocab is None or s[3] == draft_vocab)
+                  and s[0] in profile.verify_ms
                   and (s[2], s[3]) in profile.level_ms and s[3] in profile.extend_ms]
     if not candidates:
-        raise ValueError(f"no measured tree shape has total_token={total_token}, depth={depth}, top_k={branching}; "
-                         f"measured sizes {sorted(profile.verify_ms)}, top_k {sorted({k for k, _ in profile.level_ms})}, "
-                         f"depth 1..{max(s[1] for s in profile.tau)}: pick from those or re-run `eagle-fsd tune`")
+        raise ValueError(f"no measured tree shape has total_token={total_token}, depth={depth}, top_k={branching}, "
+                         f"draft_vocab={draft_vocab}; measured sizes {sorted(profile.verify_ms)}, top_k "
+                         f"{sorted({k for k, _ in profile.level_ms})}, depth 1..{max(s[1] for s in profile.tau)}, "
+                         f"draft vocabularies {sorted(profile.extend_ms)}: pick from those or re-run `eagle-fsd tune`")
     best = max(candidates, key=lambda s: (profile.speedup(s), -s[0], -s[1], -s[2], s[3]))
     return best, profile.speedup(best)
 
@@ -126,4 +129,4 @@ def describe(tuning: Tuning) -> str:
     if tuning.speculate:
         return f"{tree}; predicted {tuning.predicted_speedup:.2f}x plain decoding"
     return (f"plain decoding: the best {tree} is predicted at {tuning.predicted_speedup:.2f}x, slower than plain "
-            "(speculation is re-tried from time to time)")
+            "(speculation is probed after 32 plain tokens, and kept where it measures faster)")

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -14,8 +15,9 @@ from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.files import cache_dir
 from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.quant import quant_bits
-from eagle_fsd.tune.measure import TuneSettings, device_name, measure
+from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
+from eagle_fsd.tune.trust import describe_age
 
 TUNE_VERSION = 4
 CPU_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -45,32 +47,70 @@ def cache_path(key: dict) -> Path:
     return cache_dir() / "tune" / f"{name}-{digest}.json"
 
 
-def load_or_measure(model, base_model, drafter_name, progress: bool = True, refresh: bool = False,
-                    settings: TuneSettings | None = None) -> tuple[CostProfile, Path]:
-    key = cache_key(model, base_model, drafter_name, settings)
-    path = cache_path(key)
-    if path.is_file() and not refresh:
-        try:
-            return CostProfile.from_json(json.loads(path.read_text())["profile"]), path
-        except (ValueError, KeyError, TypeError):
-            pass  # an unreadable or older cache file: measure again
-    if progress:
-        print(f"eagle-fsd: measuring speculation costs on this machine ({key['device']}, {key['dtype']}, "
-              f"{key['threads']} threads); cached in {path}", file=sys.stderr)
-    profile = measure(model, settings, progress=progress)
+def read_profile(path: Path) -> CostProfile | None:
+    """The cached profile at `path`, or None (missing, unreadable or an older format: measure again)."""
+    if not path.is_file():
+        return None
+    try:
+        profile = CostProfile.from_json(json.loads(path.read_text())["profile"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    profile.conditions.setdefault("measured_at", path.stat().st_mtime)  # older files: the file's own time
+    return profile
+
+
+def write_profile(path: Path, key: dict, profile: CostProfile) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
     tmp.replace(path)
+
+
+def load_or_measure(model, base_model, drafter_name, progress: bool = True, settings: TuneSettings | None = None,
+                    force: bool = False, check: bool = False) -> tuple[CostProfile, Path]:
+    """The cost profile of `model` on this machine: cached, else measured and cached. A profile timed on a busy
+    machine (eagle_fsd.tune.trust) is used but not cached, saying why; `force` measures again and caches whatever
+    it gets. `check`: a cached profile is first checked against a few timed steps (check_costs) and re-timed where
+    it no longer holds (the correction is cached when the machine is quiet)."""
+    key = cache_key(model, base_model, drafter_name, settings)
+    path = cache_path(key)
+    cached = None if force else read_profile(path)
+    if cached is not None:
+        profile, found = check_costs(model, cached, settings=settings) if check else (cached, "")
+        if progress:
+            print(f"eagle-fsd: cost profile {path}, measured {age(cached)} ago" + (f"; {found}" if found else ""),
+                  file=sys.stderr)
+        if profile is not cached and profile.conditions.get("busy") is None:
+            write_profile(path, key, profile)
+        return profile, path
+    if progress:
+        print(f"eagle-fsd: measuring speculation costs on this machine ({key['device']}, {key['dtype']}, "
+              f"{key['threads']} threads); cached in {path}", file=sys.stderr)
+    profile = measure(model, settings, progress=progress)
+    busy = profile.conditions.get("busy")
+    if busy is not None and not force:
+        print(f"eagle-fsd: the machine was busy while tuning ({busy}), so this profile is used for this run only "
+              f"and not cached. Tune again on a quieter machine (`eagle-fsd tune --force` caches whatever it "
+              "measures).", file=sys.stderr)
+        return profile, path
+    if busy is not None:
+        print(f"eagle-fsd: caching a profile timed on a busy machine ({busy}), as --force asks", file=sys.stderr)
+    write_profile(path, key, profile)
     return profile, path
 
 
+def age(profile: CostProfile) -> str:
+    """How long ago the profile's timings were taken."""
+    return describe_age(time.time() - profile.conditions.get("measured_at", time.time()))
+
+
 def autotune(model, base_model, drafter_name, fixed: dict, progress: bool = True,
-             settings: TuneSettings | None = None) -> Tuning:
-    """The tuning for `model` (an EaFsdModel with a drafter) from the (cached) cost profile: the fastest shape
-    among those with the `fixed` values (TreeShape fields: total_token, depth, branching). `model` is only measured;
-    the tuning's shape (Tuning.tree) is for the model the loader builds with it."""
-    profile, path = load_or_measure(model, base_model, drafter_name, progress=progress, settings=settings)
+             settings: TuneSettings | None = None, check: bool = True) -> Tuning:
+    """The tuning for `model` (an EaFsdModel with a drafter) from the (cached, checked) cost profile: the fastest
+    shape among those with the `fixed` values (TreeShape fields: total_token, depth, branching). `model` is only
+    measured; the tuning's shape (Tuning.tree) is for the model the loader builds with it."""
+    profile, path = load_or_measure(model, base_model, drafter_name, progress=progress, settings=settings,
+                                    check=check)
     tuning = tuning_from(profile, fixed, str(path))
     if progress:
         print(f"eagle-fsd: {describe(tuning)}", file=sys.stderr)

@@ -1,0 +1,134 @@
+"""Speed that survives a busy machine: tuning that notices other work on the CPU and does not cache what it timed
+then, a cached profile checked at load and re-timed where it no longer holds, and a speed guard that takes t_plain
+from the plain steps it runs. Timing conditions come from synthetic clocks (tiny.machine_clocks)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle_fsd import tune
+from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.guard import SpeedGuard
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.tune.trust import TimingWatch, busy_reason, describe_age, relative_spread
+from tiny import WordTokenizer, machine_clocks, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SETTINGS = tune.TuneSettings(prompts=2, new_tokens=16, top_ks=(1, 2), max_depth=2, sizes=(2, 3, 4, 6, 8), rounds=2,
+                             retries=1, busy_wait=0.0)
+
+
+def tiny_pair() -> EaFsdModel:
+    target = tiny_model("llama", seed=1)
+    return EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=2, num_hidden_layers=1), 1000),
+                      8, 2, 2)
+
+
+def test_busy_reason_names_the_share_and_the_spread():
+    assert relative_spread([1, 2, 3, 4, 5, 6, 7, 8]) == 1.0  # quartiles 2.25, 4.5, 6.75: (6.75 - 2.25) / 4.5
+    assert relative_spread([5.0, 9.0, 1.0]) == 0.0  # too few rounds to judge
+    assert busy_reason(0.97, 0.05) is None
+    assert busy_reason(None, 0.05) is None  # not on a CPU: the share does not apply
+    reason = busy_reason(0.5, 0.05, load=2.1)
+    assert "50%" in reason and "load average 2.1" in reason
+    assert "40%" in busy_reason(0.97, 0.4)
+    assert (describe_age(30), describe_age(90), describe_age(3 * 3600 + 5), describe_age(2 * 86400)) == \
+        ("under a minute", "1 minute", "3 hours", "2 days")
+
+
+@pytest.mark.parametrize("share, busy", [(1.0, False), (0.9, False), (0.5, True)])
+def test_watch_measures_our_share_of_the_cpu(monkeypatch, share, busy):
+    monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(share)))
+    watch = TimingWatch(torch.get_num_threads())
+    tune.timed_rounds({"work": lambda: torch.randn(64, 64) @ torch.randn(64, 64)}, 2, watch=watch)
+    assert watch.cpu_share == pytest.approx(share)
+    assert (watch.busy_reason() is not None) == busy
+    assert watch.conditions()["busy"] == watch.busy_reason()
+
+
+def test_profile_timed_on_a_busy_machine_is_used_but_not_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(0.5)))
+    model = tiny_pair()
+    profile, path = tune.load_or_measure(model, "tiny", "tiny-drafter", settings=SETTINGS)
+    err = capsys.readouterr().err
+    assert "timing again" in err  # retried once (SETTINGS.retries) before giving up
+    assert "not cached" in err and "--force" in err and "50%" in err
+    assert "50%" in profile.conditions["busy"] and profile.verify_ms  # still a whole profile for this run
+    assert not path.exists()
+    tune.load_or_measure(model, "tiny", "tiny-drafter", settings=SETTINGS, force=True)  # `tune --force`
+    assert "as --force asks" in capsys.readouterr().err
+    assert json.loads(path.read_text())["profile"]["conditions"]["busy"]
+    monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(1.0)))
+    quiet, _ = tune.load_or_measure(model, "tiny", "tiny-drafter", settings=SETTINGS, force=True)
+    assert quiet.conditions["busy"] is None and quiet.conditions["cpu_share"] == 1.0
+    assert json.loads(path.read_text())["profile"]["conditions"]["busy"] is None
+
+
+def corrupt(path, factor: float) -> dict:
+    """Multiply every cached t_verify(n) by `factor` (a profile that says verification costs more than it does)."""
+    raw = json.loads(path.read_text())
+    raw["profile"]["verify_ms"] = {n: t * factor for n, t in raw["profile"]["verify_ms"].items()}
+    path.write_text(json.dumps(raw))
+    return raw["profile"]["verify_ms"]
+
+
+def test_cached_profile_is_checked_at_load_and_healed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path))
+    model = tiny_pair()
+    clean = tune.autotune(model, "tiny", "tiny-drafter", fixed={}, progress=False, settings=SETTINGS)
+    path = Path(clean.path)
+    corrupted = corrupt(path, 10.0)
+    healed = tune.autotune(model, "tiny", "tiny-drafter", fixed={}, settings=SETTINGS)
+    err = capsys.readouterr().err
+    assert f"cost profile {path}, measured" in err and "ago" in err  # the profile in use and its age
+    assert "re-timed" in err and "t_verify" in err
+    cached = json.loads(path.read_text())["profile"]
+    assert "t_verify" in cached["conditions"]["healed_from"]  # the correction persists
+    for n, t in cached["verify_ms"].items():
+        assert t < corrupted[n] / 3  # timed again, not the corrupted figure
+    assert healed.verify_ms == {int(n): t for n, t in cached["verify_ms"].items()}
+
+    corrupted = corrupt(path, 10.0)  # a busy machine at load: the profile is not judged by what it times then
+    monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(0.5)))
+    tune.autotune(model, "tiny", "tiny-drafter", fixed={}, settings=SETTINGS)
+    assert "not checked: the machine is busy now" in capsys.readouterr().err
+    assert json.loads(path.read_text())["profile"]["verify_ms"] == corrupted
+
+
+def test_profile_that_holds_is_kept():
+    model = tiny_pair()
+    profile = tune.measure(model, SETTINGS, progress=False)
+    same, found = tune.check_costs(model, profile, margin=float("inf"), settings=SETTINGS)
+    assert same is profile and "hold" in found
+
+
+def test_guard_takes_t_plain_from_the_plain_steps_it_runs():
+    """A profile that says verification costs 3x what it does (t_verify(1) 300 ms, the machine's 100 ms) and starts
+    in plain decoding: the plain steps measure t_plain, and speculation that pays is kept when it is probed."""
+    guard = SpeedGuard(plain_ms=100.0, verify_ms={1: 300.0, 4: 450.0}, window=4, backoff=8, start_plain=True)
+    for _ in range(8):
+        assert not guard.speculate()
+        guard.record(False, tokens=1, seconds=0.1, verify_seconds=0.1, tree_size=1)  # 10 tok/s plain
+    assert guard.speculate()
+    assert guard.plain_seconds() == pytest.approx(0.3)  # 0.1 s at a third of the profile's verify time
+    for _ in range(8):  # 2 tokens in 0.15 s = 13.3 tok/s, verify(4) at 150 ms
+        guard.record(True, tokens=2, seconds=0.15, verify_seconds=0.15, tree_size=4)
+        assert guard.speculate()
+    for _ in range(4):  # 1 token in 0.15 s = 6.7 tok/s: slower than the plain steps measured
+        guard.record(True, tokens=1, seconds=0.15, verify_seconds=0.15, tree_size=4)
+    assert not guard.speculate()
+
+
+def test_check_judges_costs_relative_to_plain_decoding():
+    from eagle_fsd.tune.measure import disagreements
+
+    cached = {"t_plain": 40.0, "t_verify(1)": 38.0, "t_verify(6)": 42.0, "t_level(4, full)": 6.0}
+    slower = {name: 1.3 * t for name, t in cached.items()}  # the whole machine 30 % slower: every choice holds
+    assert disagreements(cached, slower, 1.25) == (pytest.approx(1.3), [])
+    corrupted = {**cached, "t_verify(1)": 38.0 / 3, "t_verify(6)": 42.0 / 3}  # cached verification x3, as issued
+    assert disagreements(cached, corrupted, 1.25)[1] == ["t_verify(1)", "t_verify(6)"]
+    plain_off = {**cached, "t_plain": 80.0}  # t_plain alone off: every other term disagrees with it
+    assert disagreements(cached, plain_off, 1.25)[1] == ["t_verify(1)", "t_verify(6)", "t_level(4, full)"]
