@@ -68,11 +68,12 @@ def eos_ids(model, fmt: PromptFormat) -> list[int] | None:
 
 
 def generate_reply(model, ids: torch.Tensor, generation: GenerationSettings, fsd: FsdConfig, fmt: PromptFormat,
-                   streamer=None):
-    """One reply: GenerateOutput of speculative decoding (FSD per `fsd`), or of plain decoding for the baseline."""
+                   streamer=None, shape=None):
+    """One reply: GenerateOutput of speculative decoding (FSD per `fsd`; on the model's tree, or on `shape`, a
+    TreeShape), or of plain decoding for the baseline."""
     ids = ids.to(model.base_model.device)
     common = dict(streamer=streamer, eos_token_id=eos_ids(model, fmt), return_dict=True,
                   **generation.sampling_kwargs())
     if generation.baseline:
         return model.naive_generate(ids, **common)
-    return model.generate(ids, fsd=fsd, **common)
+    return model.generate(ids, fsd=fsd, shape=shape, **common)

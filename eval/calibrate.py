@@ -210,7 +210,7 @@ def calibrate_nll(job: CalibrateJob, model) -> dict:
         for arm in arms:
             if (i, arm.label) in done:
                 continue
-            out = generate_reply(model, ids, sj.settings.generation, arm.fsd or FsdConfig(), fmt)
+            out = generate_reply(model, ids, sj.settings.generation, arm.fsd or FsdConfig(), fmt, shape=arm.shape)
             reply = out.sequences[:, ids.shape[1]:]
             record = {"prompt": i, "method": arm.label, "nll": reply_nll(model, ids, reply),
                       "tokens": reply.shape[1], "fuzzy": sum(out.fuzzy_accepts), "tstamp": time.time()}

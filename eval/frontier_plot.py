@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 def plot_frontier(path: Path, rows: list[dict], title: str) -> Path:
-    """One line per (divergence, rule) through its thresholds in T order, each point labelled with T. Vertical bars:
+    """One line per (divergence, rule, tree) through its thresholds in T order, each point labelled with T. Vertical bars:
     lossless accuracy + the 95 % paired interval of the difference (what the comparison on the same problems
     allows); horizontal bars: the speedup's paired interval. Lossless is the dashed cross at (1, its accuracy);
     plain decoding, where it ran, a square."""
@@ -23,8 +23,8 @@ def plot_frontier(path: Path, rows: list[dict], title: str) -> Path:
     curves: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["threshold"] is not None and r["speedup_vs_lossless"] is not None:
-            curves.setdefault((r["divergence"], r["mode"]), []).append(r)
-    for i, ((divergence, mode), points) in enumerate(curves.items()):
+            curves.setdefault((r["divergence"], r["mode"], r.get("tree")), []).append(r)
+    for i, ((divergence, mode, tree), points) in enumerate(curves.items()):
         points.sort(key=lambda r: r["threshold"])
         xs = [r["speedup_vs_lossless"] for r in points]
         ys = [r["accuracy"] for r in points]
@@ -32,11 +32,15 @@ def plot_frontier(path: Path, rows: list[dict], title: str) -> Path:
                 [max(min(base + r["diff_high"], 1) - y, 0) for y, r in zip(ys, points)]] if base is not None else None
         xerr = [[max(x - r["speedup_low"], 0) for x, r in zip(xs, points)],
                 [max(r["speedup_high"] - x, 0) for x, r in zip(xs, points)]]
-        label = divergence if mode == "reducible" else f"{divergence} ({mode})"
+        label = (divergence if mode == "reducible" else f"{divergence} ({mode})") + (f", tree {tree}" if tree else "")
         ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt="o-", color=f"C{i}", capsize=3, label=label)
         for x, y, r in zip(xs, ys, points):
             ax.annotate(f"T={r['threshold']:g}", (x, y), textcoords="offset points", xytext=(4, 4 - 11 * i),
                         fontsize=8, color=f"C{i}")
+    for r in rows:  # lossless decoding on another tree than the model's
+        if r["threshold"] is None and r.get("tree") and r["speedup_vs_lossless"] is not None:
+            ax.plot(r["speedup_vs_lossless"], r["accuracy"], "D", color="k", fillstyle="none",
+                    label=f"lossless, tree {r['tree']}")
     plain = next((r for r in rows if r["method"] == "plain" and r["speedup_vs_lossless"]), None)
     if plain:
         ax.plot(plain["speedup_vs_lossless"], plain["accuracy"], "s", color="grey",

@@ -6,7 +6,9 @@
 Arms: plain decoding (the speed reference; `--plain-limit N` runs it on the first N problems of each benchmark
 only: greedy lossless output equals plain output, so lossless doubles as the accuracy baseline), lossless
 speculative decoding, and one FSD arm per (divergence, rule, T): `--fsd DIV[/RULE]:T1,T2,...` (repeatable), or
-`--thresholds` with `--fsd-divergence` / `--fsd-mode`. Every arm answers problem i before any arm answers problem
+`--thresholds` with `--fsd-divergence` / `--fsd-mode`. `--fsd kl_qp:2@16/5/2` runs an arm on another draft tree
+than the model's (and `--fsd lossless@16/5/2` lossless decoding on it): FSD raises acceptance deep in a tree, so on
+a shallow tree it has little to gain, and its speedup is still measured against lossless on the model's own tree. Every arm answers problem i before any arm answers problem
 i + 1, so slow drift of the machine hits all arms alike. Each (arm, problem) result is appended to
 OUT_DIR/records.jsonl as soon as it is scored (flushed and synced); `--resume` skips those already there, so a run can
 be killed, resumed, or extended with more arms or problems without losing or repeating an answer.
@@ -40,10 +42,11 @@ from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 from eagle_fsd.tree.accept import tokens_per_step
+from eagle_fsd.tree.shape import TreeShape
 
 BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k, "gpqa": gpqa}
 PLAIN, LOSSLESS = "plain", "lossless"
-CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "problems", "accuracy", "accuracy_low",
+CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "tree", "problems", "accuracy", "accuracy_low",
               "accuracy_high", "diff_vs_lossless", "diff_low", "diff_high", "only_lossless", "only_this", "p_value",
               "tokens_per_s", "speedup_vs_lossless", "speedup_low", "speedup_high", "speedup_vs_plain", "tau",
               "fuzzy_fraction", "new_tokens", "wall_time"]
@@ -52,17 +55,38 @@ CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "problems", 
 # ---------------------------------------------------------------- arms
 @dataclass(frozen=True)
 class Arm:
-    """One way of decoding: plain (the target alone), lossless speculative decoding (fsd None), or FSD."""
+    """One way of decoding: plain (the target alone), lossless speculative decoding (fsd None), or FSD; on the
+    model's own draft tree, or on `shape` (e.g. a deeper tree, which gives FSD more to accept)."""
 
     label: str
     fsd: FsdConfig | None = None
     plain: bool = False
+    shape: TreeShape | None = None
+
+    @property
+    def tree(self) -> str | None:
+        """The arm's own tree as N/D/K[/V] (None: the model's)."""
+        if self.shape is None:
+            return None
+        s = self.shape
+        return f"{s.total_token}/{s.depth}/{s.branching}" + (f"/{s.draft_vocab}" if s.draft_vocab else "")
 
 
-def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0) -> Arm:
+def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0,
+            shape: TreeShape | None = None) -> Arm:
     rule = "" if mode == "reducible" else f" {mode}"
-    return Arm(f"{divergence}{rule} T={threshold:g}", FsdConfig(threshold, divergence, mode,
-                                                                exact_prefix=exact_prefix))
+    arm = Arm(f"{divergence}{rule} T={threshold:g}", FsdConfig(threshold, divergence, mode, exact_prefix=exact_prefix),
+              shape=shape)
+    return replace(arm, label=f"{arm.label} @{arm.tree}") if shape is not None else arm
+
+
+def parse_tree(text: str) -> TreeShape:
+    """"16/5/2" or "16/5/2/37888" -> TreeShape(total_token, depth, branching[, draft_vocab])."""
+    try:
+        return TreeShape(*(int(v) for v in text.split("/")))
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"tree {text!r}: expected TOTAL_TOKEN/DEPTH/TOP_K[/DRAFT_VOCAB] of positive ints, e.g. "
+                         f"16/5/2 ({err})") from None
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -76,14 +100,21 @@ def parse_thresholds(text: str) -> list[float]:
 
 
 def parse_arm_spec(spec: str, exact_prefix: int = 0) -> list[Arm]:
-    """"kl_qp:0.3,1" -> kl_qp (reducible) at T = 0.3 and 1; "kl_qp/original:1" -> the original rule at T = 1."""
-    head, _, values = spec.partition(":")
+    """"kl_qp:0.3,1" -> kl_qp (reducible) at T = 0.3 and 1; "kl_qp/original:1" -> the original rule at T = 1;
+    a suffix "@16/5/2[/V]" runs them on that draft tree; "lossless@16/5/2" is lossless decoding on it."""
+    spec_arms, _, tree = spec.partition("@")
+    shape = parse_tree(tree) if tree else None
+    if spec_arms == LOSSLESS and shape is not None:
+        lossless = Arm(LOSSLESS, shape=shape)
+        return [replace(lossless, label=f"{LOSSLESS} @{lossless.tree}")]
+    head, _, values = spec_arms.partition(":")
     divergence, _, mode = head.partition("/")
     mode = mode or "reducible"
     if not values or divergence not in DIVERGENCES or mode not in FSD_MODES:
-        raise SystemExit(f"--fsd {spec!r}: expected DIVERGENCE[/RULE]:T1,T2,... with DIVERGENCE one of "
-                         f"{', '.join(DIVERGENCES)} and RULE one of {', '.join(FSD_MODES)}, e.g. kl_qp:0.3,1")
-    return [fsd_arm(divergence, mode, t, exact_prefix) for t in parse_thresholds(values)]
+        raise SystemExit(f"--fsd {spec!r}: expected DIVERGENCE[/RULE]:T1,T2,...[@N/D/K] with DIVERGENCE one of "
+                         f"{', '.join(DIVERGENCES)} and RULE one of {', '.join(FSD_MODES)}, e.g. kl_qp:0.3,1, or "
+                         "lossless@N/D/K")
+    return [fsd_arm(divergence, mode, t, exact_prefix, shape) for t in parse_thresholds(values)]
 
 
 def arms_of(settings: Settings, thresholds: str | None, specs: list[str]) -> list[Arm]:
@@ -138,13 +169,13 @@ def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, ar
     torch.manual_seed(0)
     ids = fmt.encode([{"role": "user", "content": BENCHES[bench].user_message(problem)}])
     generation = replace(job.settings.generation, baseline=arm.plain)
-    out = generate_reply(model, ids, generation, arm.fsd or FsdConfig(), fmt)
+    out = generate_reply(model, ids, generation, arm.fsd or FsdConfig(), fmt, shape=arm.shape)
     reply = fmt.decode(out.sequences[0, ids.shape[1]:])
     correct, detail = score(bench, problem, reply, job.exec_timeout)
     fsd = arm.fsd
     return {"bench": bench, "task_id": problem["task_id"], "method": arm.label,
             "threshold": fsd.threshold if fsd else None, "divergence": fsd.divergence if fsd else None,
-            "mode": fsd.mode if fsd else None, "correct": bool(correct), "detail": detail,
+            "mode": fsd.mode if fsd else None, "tree": arm.tree, "correct": bool(correct), "detail": detail,
             "new_tokens": out.new_tokens, "wall_time": round(out.wall_time, 4), "verify_steps": out.verify_steps,
             "accepted": sum(out.accept_lengths), "fuzzy": sum(out.fuzzy_accepts), "reply": reply,
             "tstamp": time.time()}
@@ -170,6 +201,7 @@ def summarize(records: list[dict], selection: dict[str, list[str]], arms: list[A
                 fsd = arm.fsd
                 rows.append({"bench": bench, "method": arm.label, "divergence": fsd.divergence if fsd else None,
                              "mode": fsd.mode if fsd else None, "threshold": fsd.threshold if fsd else None,
+                             "tree": arm.tree,
                              **arm_statistics(table[arm.label], table.get(LOSSLESS, {}), table.get(PLAIN, {}))})
     return rows
 
@@ -290,8 +322,9 @@ def parse_args(argv) -> SweepJob:
                    help="humaneval (164, pass@1), gsm8k (1,319, exact match), gpqa (198 GPQA Diamond, 4 choices)")
     p.add_argument("--thresholds", default=None,
                    help="comma-separated FSD thresholds T for --fsd-divergence and --fsd-mode")
-    p.add_argument("--fsd", action="append", default=[], metavar="DIV[/RULE]:T1,T2",
-                   help="FSD arms, e.g. kl_qp:0.3,1,3 or kl_qp/original:1 (repeatable)")
+    p.add_argument("--fsd", action="append", default=[], metavar="DIV[/RULE]:T1,T2[@N/D/K[/V]]",
+                   help="FSD arms, e.g. kl_qp:0.3,1,3 or kl_qp/original:1 (repeatable); @16/5/2 runs them on that "
+                        "draft tree instead of the model's, and lossless@16/5/2 is lossless decoding on it")
     add_selection_args(p)
     p.add_argument("--plain-limit", type=int, default=None,
                    help="plain decoding (the speed reference) on the first N selected problems only")

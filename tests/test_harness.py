@@ -12,6 +12,7 @@ from eagle_fsd import presets
 from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.eval import gsm8k, humaneval, mtbench, speed, sweep
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.tree.shape import TreeShape
 from tiny import tiny_model
 
 torch.set_num_threads(1)
@@ -298,9 +299,33 @@ def test_sweep_arm_specs_and_errors():
     assert (job.arms[5].fsd.divergence, job.arms[5].fsd.mode, job.arms[5].fsd.threshold) == ("kl_qp", "original", 3)
     assert all(a.fsd.exact_prefix == 4 for a in job.arms[2:])
     for spec, message in (("kl:1", "DIVERGENCE"), ("kl_qp/lossy:1", "RULE"), ("kl_qp", "DIVERGENCE"),
-                          ("kl_qp:0.1;0.5", "comma-separated"), ("kl_qp:0.1,-1", ">= 0")):
+                          ("kl_qp:0.1;0.5", "comma-separated"), ("kl_qp:0.1,-1", ">= 0"),
+                          ("kl_qp:1@16/x/2", "TOTAL_TOKEN/DEPTH/TOP_K"), ("kl_qp:1@16/5/0", "branching"),
+                          ("lossless", "DIVERGENCE")):
         with pytest.raises(SystemExit, match=message):
             sweep.parse_arm_spec(spec)
+    deep = sweep.parse_arm_spec("kl_qp/original:2,8@16/5/2")
+    assert [a.label for a in deep] == ["kl_qp original T=2 @16/5/2", "kl_qp original T=8 @16/5/2"]
+    assert all(a.shape == TreeShape(16, 5, 2) and a.tree == "16/5/2" for a in deep)
+    (lossless,) = sweep.parse_arm_spec("lossless@8/3/2/4096")
+    assert (lossless.label, lossless.fsd, lossless.shape) == ("lossless @8/3/2/4096", None, TreeShape(8, 3, 2, 4096))
+
+
+def test_sweep_arm_on_its_own_tree(tmp_path, use_model):
+    """An arm with its own tree decodes on it (lossless there: the same greedy replies, fewer tokens per step on a
+    smaller tree), and its rows and records name the tree."""
+    out = tmp_path / "trees"
+    assert sweep.main(sweep_argv(out, "--fsd", "lossless@2/1/1", "--fsd", "kl_qp:1@2/1/1", "--plain-limit", "1")) == 0
+    records = mtbench.read_answers(out / "records.jsonl")
+    by = {(r["task_id"], r["method"]): r for r in records}
+    for task_id in {r["task_id"] for r in records}:  # plain, lossless on each tree, FSD on the small one
+        own, small = by[(task_id, "lossless")], by[(task_id, "lossless @2/1/1")]
+        assert small["reply"] == own["reply"] and small["tree"] == "2/1/1" and own["tree"] is None
+        assert small["accepted"] <= small["verify_steps"] and small["verify_steps"] >= own["verify_steps"]
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert {r["method"]: r["tree"] for r in rows if r["bench"] == "gsm8k"} == {
+        "plain": None, "lossless": None, "lossless @2/1/1": "2/1/1", "kl_qp T=1 @2/1/1": "2/1/1"}
+    assert all(r["tau"] <= 2 for r in rows if r["tree"] == "2/1/1")  # one draft token per step at most
 
 
 def test_sweep_problem_selection():

@@ -16,7 +16,8 @@ E[a + 1 | shape] by replay: the target's greedy continuation of shipped calibrat
 at every position the drafter grows its pool as in a real step and the accepted length of every candidate tree is
 read off it (for greedy decoding the accepted path is the longest prefix of that continuation the tree holds, so
 the replay is exact, and one pool per top_k serves every depth and size). `choose_shape` takes the argmax; when it
-is below 1 the engine decodes plainly. Profiles are cached as JSON per model, drafter, device, dtype and threads.
+is below 1 the engine decodes plainly. Profiles are cached as JSON per model, drafter, device, dtype and threads,
+only when the machine was quiet while timing (trust), and checked against the machine at every load (check_costs).
 
 Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
 (timing the terms, TuneSettings, the check of a cached profile at load), trust (whether the machine was quiet

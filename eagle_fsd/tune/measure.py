@@ -281,10 +281,9 @@ def check_costs(model, profile: CostProfile, margin: float = 1.25, rounds: int =
     busy = watch.busy_reason()
     if busy is not None:
         return profile, f"not checked: the machine is busy now ({busy})"
-    now = {"t_plain": verify_ms[1] + plain_loop_ms([run]), "t_verify(1)": verify_ms[1], f"t_verify({n})": verify_ms[n],
-           f"t_level({k}, {v or 'full'})": level_ms[(k, v)]}
-    cached = {"t_plain": profile.plain_ms, "t_verify(1)": profile.verify_ms[1], f"t_verify({n})": profile.verify_ms[n],
-              f"t_level({k}, {v or 'full'})": profile.level_ms[(k, v)]}
+    names = ("t_plain", "t_verify(1)", f"t_verify({n})", f"t_level({k}, {v or 'full'})")
+    now = dict(zip(names, (verify_ms[1] + plain_loop_ms([run]), verify_ms[1], verify_ms[n], level_ms[(k, v)])))
+    cached = dict(zip(names, (profile.plain_ms, profile.verify_ms[1], profile.verify_ms[n], profile.level_ms[(k, v)])))
     drift, off = disagreements(cached, now, margin)
     if not off:
         return profile, f"checked: its costs hold on this machine now (all x{drift:.2f} of the cached ones)"
