@@ -107,7 +107,8 @@ def exactness(dtype: torch.dtype) -> str:
     return (f"in {name} each greedy token is the target's top choice after the same prefix, but the target scores "
             f"a step's tokens in one forward and {name} rounds differently with the number of tokens scored, so a "
             "near-tied choice can flip against one-token-at-a-time decoding and the text part from there "
-            "(`eagle-fsd bench` counts the outputs identical to plain decoding); --dtype fp32 gives the target's exact greedy output")
+            "(`eagle-fsd bench` counts the outputs identical to plain decoding); --dtype fp32 gives the target's "
+            "exact greedy output")
 
 
 def eos_token_ids(model, eos_token_id=None) -> set[int]:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 
 def plot_frontier(path: Path, rows: list[dict], title: str) -> Path:
-    """One line per (divergence, rule, tree) through its thresholds in T order, each point labelled with T. Vertical bars:
-    lossless accuracy + the 95 % paired interval of the difference (what the comparison on the same problems
+    """One line per (divergence, rule, tree) through its thresholds in T order, each point labelled with T. Vertical
+    bars: lossless accuracy + the 95 % paired interval of the difference (what the comparison on the same problems
     allows); horizontal bars: the speedup's paired interval. Lossless is the dashed cross at (1, its accuracy);
     plain decoding, where it ran, a square."""
     import matplotlib

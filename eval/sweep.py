@@ -8,8 +8,8 @@ only: greedy lossless output equals plain output, so lossless doubles as the acc
 speculative decoding, and one FSD arm per (divergence, rule, T): `--fsd DIV[/RULE]:T1,T2,...` (repeatable), or
 `--thresholds` with `--fsd-divergence` / `--fsd-mode`. `--fsd kl_qp:2@16/5/2` runs an arm on another draft tree
 than the model's (and `--fsd lossless@16/5/2` lossless decoding on it): FSD raises acceptance deep in a tree, so on
-a shallow tree it has little to gain, and its speedup is still measured against lossless on the model's own tree. Every arm answers problem i before any arm answers problem
-i + 1, so slow drift of the machine hits all arms alike. Each (arm, problem) result is appended to
+a shallow tree it has little to gain, and its speedup is still measured against lossless on the model's own tree.
+Every arm answers problem i before any arm answers problem i + 1, so slow drift of the machine hits all arms alike. Each (arm, problem) result is appended to
 OUT_DIR/records.jsonl as soon as it is scored (flushed and synced); `--resume` skips those already there, so a run can
 be killed, resumed, or extended with more arms or problems without losing or repeating an answer.
 
@@ -66,18 +66,27 @@ class Arm:
     @property
     def tree(self) -> str | None:
         """The arm's own tree as N/D/K[/V] (None: the model's)."""
-        if self.shape is None:
-            return None
-        s = self.shape
-        return f"{s.total_token}/{s.depth}/{s.branching}" + (f"/{s.draft_vocab}" if s.draft_vocab else "")
+        return tree_label(self.shape)
+
+
+def tree_label(shape: TreeShape | None) -> str | None:
+    """TreeShape(16, 5, 2) -> "16/5/2" (with "/V" for a draft vocabulary of V tokens); None -> None."""
+    if shape is None:
+        return None
+    vocab = f"/{shape.draft_vocab}" if shape.draft_vocab else ""
+    return f"{shape.total_token}/{shape.depth}/{shape.branching}{vocab}"
+
+
+def on_tree(label: str, shape: TreeShape | None) -> str:
+    """An arm's label, with " @N/D/K" when it runs on its own tree."""
+    return label if shape is None else f"{label} @{tree_label(shape)}"
 
 
 def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0,
             shape: TreeShape | None = None) -> Arm:
     rule = "" if mode == "reducible" else f" {mode}"
-    arm = Arm(f"{divergence}{rule} T={threshold:g}", FsdConfig(threshold, divergence, mode, exact_prefix=exact_prefix),
-              shape=shape)
-    return replace(arm, label=f"{arm.label} @{arm.tree}") if shape is not None else arm
+    return Arm(on_tree(f"{divergence}{rule} T={threshold:g}", shape),
+               FsdConfig(threshold, divergence, mode, exact_prefix=exact_prefix), shape=shape)
 
 
 def parse_tree(text: str) -> TreeShape:
@@ -105,8 +114,7 @@ def parse_arm_spec(spec: str, exact_prefix: int = 0) -> list[Arm]:
     spec_arms, _, tree = spec.partition("@")
     shape = parse_tree(tree) if tree else None
     if spec_arms == LOSSLESS and shape is not None:
-        lossless = Arm(LOSSLESS, shape=shape)
-        return [replace(lossless, label=f"{LOSSLESS} @{lossless.tree}")]
+        return [Arm(on_tree(LOSSLESS, shape), shape=shape)]
     head, _, values = spec_arms.partition(":")
     divergence, _, mode = head.partition("/")
     mode = mode or "reducible"

@@ -190,7 +190,7 @@ def draft_vocabularies(model, settings: TuneSettings, cheap: bool) -> dict:
         reduced = [v for v in settings.vocabs if v]
     else:
         reduced = vocab_tables.candidate_sizes(model.base_model.config.vocab_size, cheap) if order is not None else []
-    return {0: None, **{v: vocab_tables.draft_vocab(order, v).to(model.base_model.device) for v in reduced}}
+    return {0: None, **{v: vocab_ids(model, v) for v in reduced}}
 
 
 def plain_loop_ms(plain: list) -> float:
