@@ -36,6 +36,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from eagle_fsd.target_quant import FP64_ATTENTION
+
 ATTENTION_NAME = "eagle_fsd"
 BACKENDS = ("auto", "sdpa", "triton")
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -168,14 +170,25 @@ def packed_tree_block(state: ForwardState, attention_mask: torch.Tensor | None, 
 def eagle_fsd_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         eagle_fsd_forward: ForwardState | None = None, **kwargs):
     """Outside an engine forward (no `eagle_fsd_forward`, e.g. transformers' own generate): backend "auto" and the
-    mask as transformers built it."""
+    mask as transformers built it. A model whose config sets FP64_ATTENTION (an int8 target, eagle_fsd.target_quant)
+    attends in float64 on CPU and rounds the result to its dtype: the same value for a query whatever else the
+    forward holds (fp32 sums run in an order that depends on the number of queries and keys, and the next layer's
+    8-bit rounding would magnify a last-bit difference into a different token)."""
+    if getattr(module.config, FP64_ATTENTION, False) and query.dtype == torch.float32 and query.device.type == "cpu":
+        out, _ = _attention(module, query.double(), key.double(), value.double(), attention_mask, scaling, dropout,
+                            eagle_fsd_forward, "sdpa", **kwargs)
+        return out.float(), None
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, eagle_fsd_forward, None, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, eagle_fsd_forward, backend, **kwargs):
     state = ForwardState() if eagle_fsd_forward is None else eagle_fsd_forward
     window = module_window(module, kwargs)
     if window is not None:  # sliding layer: SDPA on the windowed mask (the kernel sees the whole prefix)
         attention_mask = windowed_mask(state, attention_mask, window, query.shape[2], key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if _use_kernel(state.backend, query, key):
+    if _use_kernel(backend or state.backend, query, key):
         from eagle_fsd.kernels import tree_attention
 
         tree_mask = packed_tree_block(state, attention_mask, query.shape[2], query.device)

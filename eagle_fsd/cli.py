@@ -45,16 +45,19 @@ def run_main(argv=None) -> int:
     from eagle_fsd.prompts import PromptFormat
     from eagle_fsd.model import exactness, load_model
     from eagle_fsd.quant import quant_bits
+    from eagle_fsd.target_quant import is_target_quantized
 
     settings, args = parse_run_args(argv)
     model = load_model(settings)
     tok = model.tokenizer
     if settings.fsd.threshold is None and settings.generation.temperature == 0:
-        print(f"exactness: {exactness(model.base_model.dtype)}")
+        print(f"exactness: {exactness(model.base_model.dtype, is_target_quantized(model.base_model))}")
     if model.tuning is not None:
         from eagle_fsd.tune import describe
 
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
+    if is_target_quantized(model.base_model):
+        print("target linear layers int8 x int8, 8-bit activations per row (--target-quant off: float weights)")
     if is_prepacked(model.base_model):
         print(f"{dtype_name(model.base_model.dtype)} linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
     draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
@@ -92,30 +95,34 @@ def print_run(out, fsd, profile: bool) -> None:
 
 
 def compare_with_hf_generate(model, ids, generation, sequences, speed: float, fuzzy: bool = False) -> None:
-    """HF generate of the same prompt with the target alone (plain `F.linear` kernels, as users run it): its speed,
-    our speedup, and whether outputs match."""
+    """HF generate of the same prompt with the target alone (plain `F.linear` kernels, as users run it; an int8
+    target's float weights, loaded afresh): its speed, our speedup, and whether outputs match."""
     import time
 
+    from eagle_fsd.loading import as_hf_runs_it
     from eagle_fsd.prepack import unpacked
+    from eagle_fsd.target_quant import is_target_quantized
 
     print("HF generate of the same prompt (the target alone)...", flush=True)
+    target = as_hf_runs_it(model.base_model)
     hf = dict(do_sample=generation.temperature > 0, max_new_tokens=generation.max_new_tokens)
     if generation.temperature > 0:
         hf.update(temperature=generation.temperature, top_p=generation.top_p)
-    with unpacked(model.base_model):
-        model.base_model.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), do_sample=False,
-                                  max_new_tokens=4)  # warm-up
+    with unpacked(target):
+        target.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), do_sample=False,
+                        max_new_tokens=4)  # warm-up
         start = time.perf_counter()
-        seq = model.base_model.generate(ids, attention_mask=torch.ones_like(ids), **hf)
+        seq = target.generate(ids, attention_mask=torch.ones_like(ids), **hf)
         wall = time.perf_counter() - start
     new = seq.shape[1] - ids.shape[1]
     print(f"HF generate: {new} tokens in {wall:.2f} s = {new / wall:.2f} tokens/s")
-    agreement = output_agreement(seq, sequences, ids.shape[1], model.base_model.dtype, hf["do_sample"], fuzzy)
+    agreement = output_agreement(seq, sequences, ids.shape[1], model.base_model.dtype, hf["do_sample"], fuzzy,
+                                 is_target_quantized(model.base_model))
     print(f"speedup:   {speed / (new / wall):.2f}x ({agreement})")
 
 
 def output_agreement(reference: torch.Tensor, sequences: torch.Tensor, prompt_len: int, dtype: torch.dtype,
-                     sampled: bool, fuzzy: bool = False) -> str:
+                     sampled: bool, fuzzy: bool = False, quantized: bool = False) -> str:
     """Whether two outputs agree, and if not, from which new token and why that can happen."""
     n = min(reference.shape[1], sequences.shape[1])
     differ = (reference[0, :n] != sequences[0, :n]).nonzero()
@@ -126,6 +133,9 @@ def output_agreement(reference: torch.Tensor, sequences: torch.Tensor, prompt_le
         why = "FSD accepts draft tokens whose divergence is under the threshold, by design"
     elif sampled:
         why = "both sampled, so they differ by chance"
+    elif quantized:
+        why = ("the int8 target is not HF's float model: eagle-fsd reproduces plain greedy decoding of the int8 "
+               "model (--target-quant off compares the float weights)")
     elif dtype == torch.float32:
         why = "unexpected for greedy decoding in fp32: please report it with this command"
     else:

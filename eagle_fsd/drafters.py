@@ -28,6 +28,7 @@ from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
+from eagle_fsd.target_quant import RowInt8Linear
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
 from eagle_fsd.tree.shape import TreeShape
 
@@ -178,14 +179,17 @@ class DraftHead:
         self.packed = pack_weight(self.weight) if isinstance(self.lm_head, PackedLinear) else None
         bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
         self.quant = None
-        if bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)):
+        if isinstance(self.lm_head, RowInt8Linear):  # a quantized target's head: its rows, the same int8 values
+            self.quant = RowInt8Linear.from_weight(self.weight, self.bias, self.lm_head.activation_bits)
+        elif bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)):
             self.quant = QuantLinear.from_weight(self.weight, self.bias, bits)
             self.quant.packed = pack_weight(self.weight) if self.lm_head.packed is not None else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:
             if self.quant is not None:  # the slice runs as the full head is told to (unpacked, original_weights)
-                self.quant.use_packed, self.quant.use_quant = self.lm_head.use_packed, self.lm_head.use_quant
+                self.quant.use_packed = self.lm_head.use_packed
+                self.quant.use_quant = getattr(self.lm_head, "use_quant", True)
                 return self.quant(hidden)
             if self.packed is not None and self.lm_head.use_packed:
                 return packed_linear(hidden, self.packed, self.bias)

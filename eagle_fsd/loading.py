@@ -20,8 +20,11 @@ from eagle_fsd.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3_head
 from eagle_fsd.prepack import prepack_linears
 from eagle_fsd.quant import quantize_linears
 from eagle_fsd.settings import AUTO, Settings
+from eagle_fsd.target_quant import activation_bits, is_target_quantized, quantize_target
 from eagle_fsd.tree.shape import TreeShape
-from eagle_fsd.tune import autotune, resolve_draft_quant, resolve_dtype, resolve_prepack
+from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
+                            resolve_target_quant)
+from eagle_fsd.tune.dtype import target_quant_choice
 
 EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
 TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's names (and the draft vocabulary)
@@ -29,7 +32,7 @@ TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's
 
 def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
                     tree: tuple = (None, None, None), dtype="auto", device_map=None, attention: str = "auto",
-                    tune_progress: bool = True, prepack="auto", draft_quant="auto", **kwargs):
+                    tune_progress: bool = True, prepack="auto", draft_quant="auto", target_quant="auto", **kwargs):
     """`cls` (EaFsdModel) loaded and ready. base_model: a preset name, hub id or directory. ea_model_path: an
     EAGLE-1/2 or EAGLE-3 head (dir or hub id); draft_model: a causal LM sharing the tokenizer (name, dir, hub id or a
     loaded model) or a directory holding an EAGLE head. Without either, the preset's own drafter (the EAGLE head
@@ -42,13 +45,19 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed once
     for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
     draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
-    measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless."""
+    measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless.
+    target_quant "auto": a preset's target on CPU, loaded with dtype "auto", runs its linear layers int8 x int8
+    (eagle_fsd.target_quant) where that measures faster; "int8" / "off" force it. Decoding is then lossless against
+    that quantized model, and the drafter is built for it (fp32 activations)."""
     check_backend(attention)
     resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
+    target_quant_choice(target_quant)
     fixed, auto = requested_tree(base_model in presets.PRESETS, tree)
     path = presets.resolve_model(base_model)
     kind, source = drafter_source(base_model, ea_model_path, draft_model)  # a bad head fails before the target loads
     target, tokenizer = load_target(path, dtype, device_map, prepack, kwargs)
+    if resolve_target_quant(target_quant, target, base_model in presets.PRESETS, dtype != "auto", prepack):
+        quantize_target(target, activation_bits(cpu_flags()))
     drafter = build_drafter(kind, source, target, tokenizer, attention)
     prepare_weights(target, drafter, prepack, draft_quant)
     if drafter is None or not auto:
@@ -85,7 +94,11 @@ def load_target(path: str, dtype, device_map, prepack, hf_kwargs: dict):
 
 
 def prepare_weights(target, drafter, prepack, draft_quant) -> None:
-    """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen."""
+    """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen. With an
+    int8 target, an LM drafter on draft_quant "auto" runs the same int8 x int8 layers (its inputs are fp32 then)."""
+    if is_target_quantized(target) and draft_quant == "auto" and drafter is not None and drafter.auto_quant:
+        quantize_target(drafter.module, activation_bits(cpu_flags()), exact=False)
+        return
     if resolve_prepack(prepack, target):
         prepack_linears(target)
         if drafter is not None:
@@ -93,6 +106,15 @@ def prepare_weights(target, drafter, prepack, draft_quant) -> None:
     draft_bits = resolve_draft_quant(draft_quant, drafter)
     if draft_bits:
         quantize_linears(drafter.module, draft_bits)
+
+
+def as_hf_runs_it(module):
+    """`module` as a user of HF generate runs it: itself, or, where its linear layers were rounded to int8 here
+    (eagle_fsd.target_quant), a fresh copy from the same folder in the dtype its config names (the baseline rows of
+    `run` and `bench`)."""
+    if module is None or not is_target_quantized(module):
+        return module
+    return AutoModelForCausalLM.from_pretrained(module.name_or_path, dtype="auto").eval()
 
 
 # ---------------------------------------------------------------- the drafter
@@ -164,7 +186,7 @@ def load_model(cls, settings: Settings):
                                 total_token=tree.total_token, depth=tree.depth, top_k=tree.top_k,
                                 draft_vocab=tree.draft_vocab, dtype=m.dtype,
                                 device_map=m.device, attention=m.attention, prepack=m.prepack,
-                                draft_quant=m.draft_quant)
+                                draft_quant=m.draft_quant, target_quant=m.target_quant)
     if model.drafter is None and not settings.generation.baseline:
         raise SystemExit(f"{m.model!r} has no default drafter: pass --drafter MODEL_OR_HEAD_DIR or "
                          "--ea-model-path HEAD, or --baseline for plain decoding")

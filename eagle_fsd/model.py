@@ -97,10 +97,15 @@ class DrafterReader:
             self.behind.append((tokens, hidden))
 
 
-def exactness(dtype: torch.dtype) -> str:
+def exactness(dtype: torch.dtype, target_quantized: bool = False) -> str:
     """What lossless greedy speculation guarantees in `dtype`: in fp32 the target's own greedy tokens; in a 16-bit
     dtype the target's greedy choice computed by forwards over several tokens, whose rounding depends on how many
-    tokens a forward holds (measured agreement with plain decoding: README, BENCHMARKS.md)."""
+    tokens a forward holds (measured agreement with plain decoding: README, BENCHMARKS.md). A quantized target
+    (eagle_fsd.target_quant) is the model it is exact against."""
+    if target_quantized:
+        return ("greedy output is plain greedy decoding of the int8 target (int8 weights rounded from the preset's, "
+                "8-bit activations per row, fp32 elsewhere), token for token; --target-quant off keeps the float "
+                "weights")
     if dtype in (torch.float32, torch.float64):
         return "greedy output is the target's own greedy output, token for token"
     name = dtype_name(dtype)
@@ -165,19 +170,19 @@ class EaFsdModel(torch.nn.Module):
     def from_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
                         total_token: int | str | None = None, depth: int | str | None = None,
                         top_k: int | str | None = None, dtype="auto", device_map=None, attention: str = "auto",
-                        tune_progress: bool = True, prepack="auto", draft_quant="auto",
+                        tune_progress: bool = True, prepack="auto", draft_quant="auto", target_quant="auto",
                         draft_vocab: int | str | None = None, **kwargs):
         """base_model: a preset name (`eagle-fsd models list`), a hub id or a local directory; ea_model_path: an
         EAGLE-1/2 or EAGLE-3 head, or draft_model: a causal LM sharing the tokenizer (default: the preset's drafter).
         total_token / depth / top_k: ints (EAGLE's meaning) or "auto", the shape the measured cost model predicts
         fastest here (unset: "auto" for a preset, else EAGLE's 60, 5, 10); draft_vocab: the drafter scores the N
-        most frequent tokens (0: all; unset: "auto" while the tree is). dtype, prepack, draft_quant: "auto" or
-        forced; see eagle_fsd.loading.load_pretrained."""
+        most frequent tokens (0: all; unset: "auto" while the tree is). dtype, prepack, draft_quant, target_quant:
+        "auto" or forced; see eagle_fsd.loading.load_pretrained."""
         return loading.load_pretrained(cls, base_model, ea_model_path, draft_model,
                                        (total_token, depth, top_k, draft_vocab),
                                        dtype=dtype, device_map=device_map, attention=attention,
                                        tune_progress=tune_progress, prepack=prepack, draft_quant=draft_quant,
-                                       **kwargs)
+                                       target_quant=target_quant, **kwargs)
 
     def _draft_vocab_ids(self, size: int) -> torch.Tensor | None:
         """The target ids of the `size` most frequent tokens (eagle_fsd.vocab); 0: None, the drafter's own."""

@@ -36,7 +36,8 @@ class ModelSettings:
     ea_model_path: an EAGLE-1/2 or EAGLE-3 head; conv_template: a FastChat template for models without a chat template;
     threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default);
     prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU fp32 / bf16 linear weights packed once for oneDNN);
-    draft_quant: "auto", "int4", "int8" or "off" (eagle_fsd.quant: the drafter's weights rounded, CPU)."""
+    draft_quant: "auto", "int4", "int8" or "off" (eagle_fsd.quant: the drafter's weights rounded, CPU);
+    target_quant: "auto", "int8" or "off" (eagle_fsd.target_quant: the target's linear layers int8 x int8, CPU)."""
 
     model: str = DEFAULT_MODEL
     drafter: str | None = None
@@ -48,6 +49,7 @@ class ModelSettings:
     device: str | None = None
     prepack: str = "auto"
     draft_quant: str = "auto"
+    target_quant: str = "auto"
 
     def __post_init__(self):
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
@@ -59,7 +61,8 @@ class ModelSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
         return cls(args.model, args.drafter, args.ea_model_path, args.dtype, args.attention, args.conv_template,
-                   args.threads, prepack=args.prepack, draft_quant=args.draft_quant)
+                   args.threads, prepack=args.prepack, draft_quant=args.draft_quant,
+                   target_quant=args.target_quant)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", choices=("auto", "int4", "int8", "off"), default="auto",
                    help="CPU: the drafter's weights in int4 / int8 (verification keeps the target's: lossless); "
                         "auto: int4 for an LM drafter where it measures faster")
+    p.add_argument("--target-quant", choices=("auto", "int8", "off"), default="auto",
+                   help="CPU: the target's linear layers in int8 with 8-bit activations per row; decoding is then "
+                        "lossless against that model. auto: for a preset loaded with --dtype auto, where it "
+                        "measures faster")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,9 +25,11 @@ from transformers import AutoModelForCausalLM
 from eagle_fsd.dtypes import dtype_name, torch_dtype
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.loading import as_hf_runs_it
 from eagle_fsd.model import load_model
 from eagle_fsd.prepack import unpacked
-from eagle_fsd.quant import original_weights, quant_bits
+from eagle_fsd.quant import original_weights
+from eagle_fsd.target_quant import weights_label
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import device_name
 from eagle_fsd.prompts import PromptFormat
@@ -81,8 +84,9 @@ def hf_method(target, max_new_tokens: int, assistant=None):
     return run
 
 
-def methods_for(model, job: BenchJob) -> dict:
-    target, n = model.base_model, job.settings.generation.max_new_tokens
+def methods_for(model, job: BenchJob, target) -> dict:
+    """Each method's run(ids); `target`: the target as HF generate users run it (as_hf_runs_it)."""
+    n = job.settings.generation.max_new_tokens
     methods = {"hf-generate": hf_method(target, n)}
     if job.plain:
         methods["plain"] = lambda ids: model.naive_generate(ids, max_new_tokens=n, return_dict=True)
@@ -91,7 +95,7 @@ def methods_for(model, job: BenchJob) -> dict:
                                                     dtype=torch_dtype(name)).eval()
         methods[f"hf-generate {name}"] = hf_method(copy, n)
         hf_method(copy, 4)(torch.tensor([[1, 2, 3, 4]]))  # warm-up, as for the loaded model in `run`
-    assistant = model.drafter.assistant_model
+    assistant = as_hf_runs_it(model.drafter.assistant_model)
     if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)
     methods["eagle-fsd"] = lambda ids: model.generate(ids, max_new_tokens=n, return_dict=True)
@@ -124,10 +128,12 @@ def fixed_tree_method(model, spec: str, max_new_tokens: int):
 def run(job: BenchJob) -> dict:
     torch.manual_seed(0)
     model = load_model(job.settings)
+    loaded_rss = peak_rss_gb()  # the engine's models, before any baseline copy loads
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
-    methods = methods_for(model, job)
+    hf_target = as_hf_runs_it(model.base_model)
+    methods = methods_for(model, job, hf_target)
     model.generate(ids_list[0][:, :16], max_new_tokens=8)  # warm-up
-    hf_method(model.base_model, 8)(ids_list[0][:, :16])
+    hf_method(hf_target, 8)(ids_list[0][:, :16])
     totals = {m: defaultdict(float) for m in methods}
     per_question = {m: [] for m in methods}
     reference, plain_reference = [], []
@@ -159,7 +165,14 @@ def run(job: BenchJob) -> dict:
                     t["identical_to_plain"] += int(torch.equal(seq, plain_reference[qi]))
                     t["shared_with_plain"] += shared_prefix(seq, plain_reference[qi], ids.shape[1])
         print(f"question {qi + 1}/{len(ids_list)} done", flush=True)
-    return summarize(model, job.settings, ids_list, totals, per_question)
+    result = summarize(model, job.settings, ids_list, totals, per_question)
+    result["peak_rss_gb_engine_loaded"] = loaded_rss
+    return result
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far, GB (Linux reports KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
 def shared_prefix(sequence: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> int:
@@ -193,15 +206,15 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
                 row["shared_prefix_with_plain"] = round(t["shared_with_plain"] / len(ids_list), 1)
         rows.append(row)
     m = settings.model
-    draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
     result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
               "dtype": dtype_name(model.base_model.dtype), "questions": len(ids_list),
               "max_new_tokens": settings.generation.max_new_tokens, "tree": [model.total_token, model.depth, model.top_k],
               "threads": torch.get_num_threads(), "device": device_name(model.base_model.device),
-              "draft_weights": f"int{draft_bits}" if draft_bits else "as loaded", "rows": rows}
+              "draft_weights": weights_label(model.drafter and model.drafter.module),
+              "target_weights": weights_label(model.base_model),
+              "draft_vocab": model.shape.draft_vocab or "full", "rows": rows}
     if model.tuning is not None:
         by_name = {r["method"]: r for r in rows}
-        result["draft_vocab"] = model.tuning.shape[3] or "full"
         # the cost model's prediction for this workload: every prompt prefilled, then the new tokens (profile.py)
         prompt_tokens = sum(int(ids.numel()) for ids in ids_list)
         new_tokens = totals["eagle-fsd"]["tokens"] if "eagle-fsd" in totals else 0
@@ -218,8 +231,8 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
 def print_table(result: dict) -> None:
     print(f"\n{result['model']} + {result['drafter']}, {result['dtype']}, {result['questions']} MT-Bench first turns, "
           f"{result['max_new_tokens']} new tokens, {result['threads']} threads, tree (total_token, depth, top_k) = "
-          f"{tuple(result['tree'])}, draft vocabulary {result.get('draft_vocab', 'full')}, drafter weights "
-          f"{result['draft_weights']}, {result['device']}")
+          f"{tuple(result['tree'])}, draft vocabulary {result.get('draft_vocab', 'full')}, target weights "
+          f"{result['target_weights']}, drafter weights {result['draft_weights']}, {result['device']}")
     print(f"{'method':<22}{'tok/s':>8}{'vs HF':>8}{'min q':>7}{'tau':>7}{'fuzzy':>7}{'same as HF':>12}"
           f"{'same as plain':>15}")
     for r in result["rows"]:
@@ -234,6 +247,8 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
+    if "peak_rss_gb_engine_loaded" in result:
+        print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
 
 
 def parse_args(argv) -> tuple[BenchJob, str | None]:

@@ -28,6 +28,7 @@ LAYER_OF = {
     "eagle_fsd.dtypes": "weights",
     "eagle_fsd.prepack": "weights",
     "eagle_fsd.quant": "weights",
+    "eagle_fsd.target_quant": "weights",
     "eagle_fsd.attention": "drafting",
     "eagle_fsd.cache": "drafting",
     "eagle_fsd.hf": "drafting",

@@ -21,12 +21,12 @@ only when the machine was quiet while timing (trust), and checked against the ma
 
 Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
 (timing the terms, TuneSettings, the check of a cached profile at load), trust (whether the machine was quiet
-enough to cache what was timed), store (the JSON cache, autotune), dtype (dtype, prepack and
-draft_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other
+enough to cache what was timed), store (the JSON cache, autotune), dtype (dtype, prepack,
+draft_quant and target_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other
 public names are re-exported here.
 """
 from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,
-                                  resolve_prepack)
+                                  resolve_prepack, resolve_target_quant)
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
                                     calibration_prompts, check_costs, device_name, measure, measure_costs,
                                     measure_overhead, timed_rounds)
@@ -39,4 +39,5 @@ __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "
            "cache_key", "cache_path", "calibration_prompts", "check_costs", "choose_shape", "cpu_flags",
            "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
            "measure_costs", "measure_overhead", "native_bf16", "read_profile", "replay",
-           "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "target_hidden", "timed_rounds", "tuning_from", "walk_tau"]
+           "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "resolve_target_quant", "target_hidden",
+           "timed_rounds", "tuning_from", "walk_tau"]

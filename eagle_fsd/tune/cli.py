@@ -10,7 +10,7 @@ from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.loading import drafter_name as preset_drafter_name
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.quant import quant_bits
+from eagle_fsd.target_quant import weights_label
 from eagle_fsd.settings import DTYPE_NAMES, add_kernel_args
 from eagle_fsd.tune.measure import TuneSettings
 from eagle_fsd.tune.profile import CostProfile, choose_shape
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
                                        dtype=args.dtype, total_token=1, depth=1, top_k=1, draft_vocab=0,  # measured below
-                                       prepack=args.prepack, draft_quant=args.draft_quant)
+                                       prepack=args.prepack, draft_quant=args.draft_quant,
+                                       target_quant=args.target_quant)
     if model.drafter is None:
         raise ValueError(f"{args.model!r} has no default drafter: pass --drafter or --ea-model-path")
     settings = None
@@ -51,8 +52,8 @@ def main(argv=None) -> int:
     cached = read_profile(path)
     written = cached is not None and cached.conditions.get("measured_at") == profile.conditions.get("measured_at")
     print(f"cost profile: {path}" + ("" if written else " (not written: timed on a busy machine)"))
-    bits = quant_bits(model.drafter.module)
-    print(f"drafter weights: {f'int{bits}' if bits else 'as loaded'} (--draft-quant)")
+    print(f"target weights: {weights_label(model.base_model)} (--target-quant); drafter weights: "
+          f"{weights_label(model.drafter.module)} (--draft-quant)")
     print(format_profile(profile, args.top))
     if args.plot:
         plot_cost_curves({f"{args.model} ({dtype_name(model.base_model.dtype)})": profile}, args.plot)

@@ -1,6 +1,8 @@
 """dtype "auto": bf16 on CUDA; on CPU bf16 only where it is native and measures faster on the model's own shape.
 prepack "auto": oneDNN-packed linear weights (fp32, or bf16 where oneDNN supports it) where they measure faster.
-draft_quant "auto": an LM drafter on CPU drafts with int4 weights where that kernel measures faster (eagle_fsd.quant)."""
+draft_quant "auto": an LM drafter on CPU drafts with int4 weights where that kernel measures faster (eagle_fsd.quant).
+target_quant "auto": a preset's target (a GGUF model, already rounded) runs int8 x int8 on CPU where that measures
+faster (eagle_fsd.target_quant)."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +13,7 @@ import torch
 
 from eagle_fsd.prepack import is_prepacked, pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
+from eagle_fsd.target_quant import RowInt8Linear, row_int8_supported
 from eagle_fsd.tune.measure import timed_rounds
 
 
@@ -34,7 +37,7 @@ def native_bf16(flags: set[str] | None = None) -> bool:
 def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8)) -> dict[str, float]:
     """Time of the MLP up-projection (hidden -> intermediate) over `rows` rows together (plain steps and small
     trees) for each kind of kernel ("fp32", "bf16", "fp32-packed", "bf16-packed"; "int4" / "int4-fp32": int4 weights
-    with bf16 / fp32 activations), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so
+    with bf16 / fp32 activations; "int8-rows": eagle_fsd.target_quant), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so
     they come from memory, as in a decode step, not from cache."""
     copies = max(1, math.ceil(128 * 2**20 / (hidden * intermediate * 4)))
     weights32 = [torch.randn(intermediate, hidden) for _ in range(copies)]
@@ -49,15 +52,18 @@ def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(
         weights["int4"] = [QuantLinear.from_weight(w.bfloat16(), None, 4) for w in weights32]
     if "int4-fp32" in kinds:
         weights["int4-fp32"] = [QuantLinear.from_weight(w, None, 4) for w in weights32]
+    if "int8-rows" in kinds:
+        weights["int8-rows"] = [RowInt8Linear.from_linear(torch.nn.Linear(hidden, intermediate, bias=False))
+                                for _ in weights32]
     kernels = {"fp32": torch.nn.functional.linear, "bf16": torch.nn.functional.linear,
                "bf16-packed": lambda x, w: packed_linear(x, w, None),
                "fp32-packed": lambda x, w: packed_linear(x, w, None), "int4": lambda x, layer: layer(x),
-               "int4-fp32": lambda x, layer: layer(x)}
+               "int4-fp32": lambda x, layer: layer(x), "int8-rows": lambda x, layer: layer(x)}
     fns = {}
     for n in rows:
         x32 = torch.randn(n, hidden)
         inputs = {"fp32": x32, "bf16": x32.bfloat16(), "bf16-packed": x32.bfloat16(), "fp32-packed": x32,
-                  "int4": x32.bfloat16(), "int4-fp32": x32}
+                  "int4": x32.bfloat16(), "int4-fp32": x32, "int8-rows": x32}
         for kind in kinds:
             fns[(kind, n)] = lambda f=kernels[kind], x=inputs[kind], ws=weights[kind]: [f(x, w) for w in ws]
     timed = timed_rounds(fns, rounds=9)
@@ -166,3 +172,39 @@ def int4_measures_faster(hidden: int, intermediate: int, current: str) -> bool:
     int4 = "int4-fp32" if current.startswith("fp32") else "int4"
     ms = mlp_kernel_ms(hidden, intermediate, (current, int4), rows=(1, 2, 4))  # a draft level's nodes
     return ms[int4] < ms[current]
+
+
+TARGET_QUANT = ("auto", "int8", "off")
+
+
+def target_quant_choice(target_quant) -> str:
+    """target_quant checked: "auto", "int8" or "off"; anything else is an error."""
+    if target_quant not in TARGET_QUANT:
+        raise ValueError(f"target_quant={target_quant!r}: use 'auto', 'int8' or 'off'")
+    return target_quant
+
+
+def resolve_target_quant(target_quant, target, preset: bool, dtype_given: bool, prepack="auto") -> bool:
+    """Whether the target's linear layers run int8 x int8 (eagle_fsd.target_quant). "auto": on a CPU with the
+    kernel, for a preset target (its weights are a GGUF's, already rounded to 4-6 bits) loaded with dtype "auto",
+    where the kernel measures faster than every float kernel the target may run under `prepack` on its MLP shape
+    over 1 to 16 rows (plain steps and trees); a model given by hub id or directory, or a dtype named, keeps its
+    float weights. "int8" forces it."""
+    if target_quant_choice(target_quant) == "off":
+        return False
+    supported = row_int8_supported(target.device)
+    if target_quant == "int8":
+        if not supported:
+            raise ValueError(f"target_quant int8 needs a target on the CPU and PyTorch's FBGEMM int8 linear; this "
+                             f"target is on {target.device} (PyTorch {torch.__version__}). Use 'auto' or 'off'")
+        return True
+    if not (supported and preset and not dtype_given):
+        return False
+    return int8_measures_faster(*mlp_shape(target.config), candidate_kinds(target.dtype, prepack))
+
+
+@functools.lru_cache(maxsize=None)
+def int8_measures_faster(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> bool:
+    """int8 x int8 (eagle_fsd.target_quant) against each float kernel kind of `kinds` on the MLP shape."""
+    ms = mlp_kernel_ms(hidden, intermediate, (*kinds, "int8-rows"), rows=(1, 4, 8, 16))
+    return min(ms, key=ms.__getitem__) == "int8-rows"

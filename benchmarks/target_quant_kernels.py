@@ -1,0 +1,57 @@
+"""Kernel probe behind eagle_fsd.target_quant: ms of Qwen2.5-1.5B's MLP up-projection (1536 -> 8960) over 1-32 rows,
+weights rotating over 128 MB of copies (read from memory, as in decoding), median of 5 rounds, 2 threads.
+
+    python benchmarks/target_quant_kernels.py
+"""
+import math
+import time
+
+import torch
+
+from eagle_fsd.prepack import pack_weight, packed_linear
+from eagle_fsd.quant import INT4_GROUP, QuantLinear
+from eagle_fsd.target_quant import RowInt8Linear
+
+HIDDEN, INTERMEDIATE = 1536, 8960
+
+
+def kernels(weights):
+    """name -> (one layer per weight copy, the product, the activation dtype)."""
+    int4 = [QuantLinear.from_weight(w.bfloat16(), None, 4) for w in weights]
+    int8 = [QuantLinear.from_weight(w.bfloat16(), None, 8) for w in weights]
+    return {
+        "bf16 prepacked": ([pack_weight(w.bfloat16()) for w in weights], lambda x, w: packed_linear(x, w, None),
+                           torch.bfloat16),
+        "int4 weight-only": (int4, lambda x, layer: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, layer.q, INT4_GROUP, layer.scale), torch.bfloat16),  # without QuantLinear's 4-row fallback
+        "int8 weight-only": (int8, lambda x, layer: torch.ops.aten._weight_int8pack_mm(x, layer.q, layer.scale),
+                             torch.bfloat16),
+        "int8 x int8 (RowInt8Linear)": ([RowInt8Linear.from_weight(w, None) for w in weights],
+                                        lambda x, layer: layer(x), torch.float32),
+    }
+
+
+def main():
+    torch.set_num_threads(2)
+    copies = max(1, math.ceil(128 * 2**20 / (HIDDEN * INTERMEDIATE * 4)))
+    weights = [torch.randn(INTERMEDIATE, HIDDEN) * 0.02 for _ in range(copies)]
+    table = kernels(weights)
+    print("rows  " + "  ".join(f"{name:>28}" for name in table))
+    for rows in (1, 2, 4, 5, 8, 16, 32):
+        cells = []
+        for layers, product, dtype in table.values():
+            x = torch.randn(rows, HIDDEN).to(dtype)
+            for layer in layers:
+                product(x, layer)
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for layer in layers:
+                    product(x, layer)
+                times.append((time.perf_counter() - start) / len(layers) * 1e3)
+            cells.append(sorted(times)[2])
+        print(f"{rows:>4}  " + "  ".join(f"{ms:>28.2f}" for ms in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

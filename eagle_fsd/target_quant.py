@@ -1,0 +1,198 @@
+"""The target's linear layers in int8, activations rounded to 8 bits per row (CPU).
+
+Decoding a model of a billion or more parameters on a few cores is bound by the bytes of weight read per forward,
+and verifying a tree reads them once for all its tokens. So the target's speed is its weight bytes, as long as the
+kernel keeps a few rows as cheap as one. Measured on 2 AMD EPYC threads, 1536 -> 8960 (Qwen2.5-1.5B's MLP), weights
+from memory, ms at 1 / 4 / 8 / 16 rows:
+
+    bf16 prepacked (oneDNN)                       1.40 / 1.18 / 1.65 / 1.76
+    int4 weight-only (aten, group 32)             0.44 / 0.72 / 1.47 / 2.89   (pays per 4 rows)
+    int8 weight-only (aten)                       0.87 / 1.12 / 2.22 / 4.21
+    int8 x int8 here (FBGEMM, per-row scales)     0.37 / 0.45 / 0.55 / 0.98
+
+Per output channel o and input row i, with m_i = max_j |x_ij| and b bits of activation (8 on CPUs with VNNI,
+else 7, so that FBGEMM's 16-bit pair sums cannot saturate):
+
+    W_oj ~ s_o q_oj,   q in -127..127,   s_o = max_j |W_oj| / 127
+    x_ij ~ m_i (u_ij - z) / r,   u_ij = round(r x_ij / m_i) + z,   r = 2^(b-1) - 1,   z = r + 1
+    y_io = m_i s_o / r * sum_j q_oj (u_ij - z) + bias_o
+
+The sum is exact in int32, and every other step is elementwise, so a row's output does not depend on the other
+rows of the call: verifying a tree gives each token bit for bit what a plain decoding step of the same quantized
+model gives it, provided the layer's input is bit for bit the same too. The rounding to 8 bits would turn a
+last-bit difference of an fp32 sum into a whole step, so the quantized model attends in float64 (rounded back to
+fp32), whose result does not depend on how many queries and keys a forward holds. Decoding is lossless against that model (int8 weights, 8-bit activations, everything else fp32),
+not against the float weights. This rounds activations per row; llama.cpp rounds them per block of 256 for its
+4-bit dot products.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_fsd.quant import quant_bits
+
+VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
+FP64_ATTENTION = "eagle_fsd_fp64_attention"  # a config attribute: attend in float64 (eagle_fsd.attention)
+
+
+def row_int8_supported(device: torch.device | str = "cpu") -> bool:
+    """PyTorch has FBGEMM's int8 linear with fp32 input and output, and the device is a CPU."""
+    if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32  # noqa: B018 (resolves the op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def activation_bits(cpu_flags: set[str]) -> int:
+    """8 where the CPU sums 8-bit products in 32 bits (VNNI, AMX), else 7 (see the module docstring)."""
+    return 8 if VNNI_FLAGS & cpu_flags else 7
+
+
+def pack_int8(weight: torch.Tensor):
+    """W (out, in) rounded per output channel to int8 and packed for FBGEMM."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1).clamp(min=1e-12) / 127).double()
+    with warnings.catch_warnings():  # PyTorch marks its quantized tensors deprecated; FBGEMM's linear reads them
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+class Int8Product:
+    """x -> x W^T + b in fp32 through W rounded per output channel and each row of x rounded with its own scale
+    (the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8):
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_int8(weight)
+        self.bias = None if bias is None else bias.detach().float()  # added after the row scale
+        self.activation_bits = activation_bits
+        self.levels = 2 ** (activation_bits - 1) - 1  # r: the largest |u - z|
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise RuntimeError("int8 layers run on the CPU only; quantize the target after moving it")
+        rows = x.reshape(-1, self.in_features).float()
+        peak = rows.abs().amax(1, keepdim=True).clamp_(min=1e-30)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            rows / peak, 1.0 / self.levels, self.levels + 1, self.packed)
+        y = y.mul_(peak) if self.bias is None else torch.addcmul(self.bias, y, peak)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class SharedInputProduct(Int8Product):
+    """One product over the stacked weights of sibling layers that read the same input (q/k/v, gate/up), computed
+    once per input tensor: fewer, larger calls, each row's result unchanged (its scale and sums are its own)."""
+
+    def __init__(self, weight, bias, activation_bits: int = 8):
+        super().__init__(weight, bias, activation_bits)
+        self.last_input, self.last_version, self.last_output = None, -1, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x is not self.last_input or x._version != self.last_version:  # another tensor, or changed in place
+            self.last_input, self.last_version, self.last_output = x, x._version, super().__call__(x)
+        return self.last_output
+
+
+class RowInt8Linear(nn.Linear):
+    """An nn.Linear computing y = x W^T + b through an Int8Product (its own, or columns of one shared with its
+    siblings), in fp32 whatever the weight's dtype, returned in the input's dtype. Shares `weight` and `bias` with
+    the layer it replaces (state_dict, tied embeddings and a draft vocabulary's slices unchanged); `use_packed` False
+    runs F.linear on them instead, as `eagle_fsd.prepack.unpacked` asks. Inference only, CPU only."""
+
+    use_packed: bool = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation_bits: int = 8) -> RowInt8Linear:
+        return cls.from_weight(linear.weight, linear.bias, activation_bits)  # shared, not copied
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
+                    product: Int8Product | None = None, columns: slice | None = None) -> RowInt8Linear:
+        """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = weight.shape
+        layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        layer.bias = bias
+        layer.product = product or Int8Product(weight, bias, activation_bits)
+        layer.columns = columns
+        layer.activation_bits = layer.product.activation_bits
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_packed:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        y = self.product(x)
+        return (y if self.columns is None else y[..., self.columns]).to(x.dtype)
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module reading one input
+
+
+def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int) -> int:
+    """The linear layers `names` of `parent`, if all there with one input width, become RowInt8Linear columns of one
+    SharedInputProduct; returns how many."""
+    layers = [getattr(parent, name, None) for name in names]
+    if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowInt8Linear) for layer in layers) \
+            or len({layer.in_features for layer in layers}) != 1:
+        return 0
+    biases = None
+    if any(layer.bias is not None for layer in layers):
+        biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
+                            else torch.zeros(layer.out_features) for layer in layers])
+    product = SharedInputProduct(torch.cat([layer.weight.detach() for layer in layers]), biases, activation_bits)
+    start = 0
+    for name, layer in zip(names, layers):
+        columns = slice(start, start + layer.out_features)
+        setattr(parent, name, RowInt8Linear.from_weight(layer.weight, layer.bias, product=product, columns=columns))
+        start += layer.out_features
+    return len(layers)
+
+
+def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = True) -> int:
+    """Every linear layer of `model` (plain or prepacked) becomes a RowInt8Linear, and every other parameter fp32,
+    so that the activations between the int8 products stay fp32; returns how many layers. The linear weights keep
+    their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact: attention
+    in float64 (see the module docstring); a drafter, whose rounding only moves acceptance, goes without."""
+    if not row_int8_supported(next(model.parameters()).device):
+        raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
+                         f"{torch.__version__} or device lacks it. Use target_quant 'off'")
+    swapped = 0
+    for parent in list(model.modules()):
+        for names in SIBLINGS:
+            swapped += share_product(parent, names, activation_bits)
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and not isinstance(child, RowInt8Linear):
+                setattr(parent, name, RowInt8Linear.from_linear(child, activation_bits))
+                swapped += 1
+    setattr(model.config, FP64_ATTENTION, exact)  # row-exact attention (eagle_fsd.attention)
+    for module in model.modules():
+        if isinstance(module, RowInt8Linear):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()  # a tied embedding too: its lm_head's weight is the same tensor
+    return swapped
+
+
+def is_target_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, RowInt8Linear) for m in model.modules())
+
+
+def weights_label(model: nn.Module | None) -> str:
+    """How a model's linear layers multiply: "int8 x int8" (here), "int4" / "int8" (weight-only, eagle_fsd.quant)
+    or "as loaded"."""
+    if model is None:
+        return "none"
+    if is_target_quantized(model):
+        return "int8 x int8"
+    bits = quant_bits(model)
+    return f"int{bits}" if bits else "as loaded"

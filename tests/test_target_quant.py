@@ -1,0 +1,217 @@
+"""The target's linear layers int8 x int8 (eagle_fsd.target_quant): within the rounding bound of a float64
+reference, each row independent of the others in its call (what makes verification equal plain decoding), the swap
+of a whole model, lossless speculation against the quantized model, and when "auto" turns it on."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.model import EaFsdModel, exactness
+from eagle_fsd.prepack import unpacked
+from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
+from eagle_fsd.target_quant import (RowInt8Linear, activation_bits, is_target_quantized, quantize_target,
+                                    row_int8_supported)
+from eagle_fsd.tune import dtype as tune_dtype
+from eagle_fsd.tune import resolve_target_quant
+from tiny import hf_greedy, tiny_model
+
+pytestmark = pytest.mark.skipif(not row_int8_supported("cpu"), reason="this PyTorch has no FBGEMM int8 linear")
+
+
+def random_linear(out_f, in_f, bias, g, dtype=torch.float32):
+    linear = nn.Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_f, in_f, generator=g) * 0.05)
+        if bias:
+            linear.bias.copy_(torch.randn(out_f, generator=g))
+    return linear.to(dtype)
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor, levels: int) -> torch.Tensor:
+    """|y - x W^T| per element when W is rounded to s_o q (|error| <= s_o / 2) and each row of x to m_i (u - z) / r
+    (|error| <= m_i / 2r): sum_j |W_oj| e_x + |x_ij| e_w + e_x e_w, plus fp32 rounding of the result."""
+    x, w = x.double(), w.double()
+    e_x = x.abs().amax(1, keepdim=True) / (2 * levels)  # (rows, 1)
+    e_w = w.abs().amax(1) / 254  # (out,)
+    bound = e_x * w.abs().sum(1) + x.abs().sum(1, keepdim=True) * e_w + e_x * e_w * w.shape[1]
+    return bound * (1 + 1e-5) + 1e-5 * (x.abs() @ w.abs().t())
+
+
+@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_row_int8_within_rounding_bound_of_float64(bits, bias, rows):
+    g = torch.Generator().manual_seed(rows * 10 + bits + bias)
+    linear = random_linear(96, 160, bias, g)
+    x = torch.randn(rows, 160, generator=g)
+    x[:, 7] *= 40  # an outlier channel, as LLM activations have
+    layer = RowInt8Linear.from_linear(linear, bits)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    want = F.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    error = (got.double() - want).abs()
+    assert (error <= rounding_bound(x, linear.weight, 2 ** (bits - 1) - 1)).all()
+    assert error.max() > 0  # it does round: not the float product under another name
+
+
+def test_each_row_is_independent_of_its_batch():
+    """A row's output is bit for bit the same alone and among others: a tree's tokens get what plain decoding
+    steps would give them."""
+    g = torch.Generator().manual_seed(3)
+    layer = RowInt8Linear.from_linear(random_linear(200, 128, True, g))
+    x = torch.randn(17, 128, generator=g) * torch.logspace(-2, 2, 17)[:, None]  # rows of very different scales
+    together = layer(x)
+    for n in (1, 2, 4, 5, 8, 16):
+        assert torch.equal(layer(x[:n]), together[:n])
+    for i in range(17):
+        assert torch.equal(layer(x[i:i + 1]), together[i:i + 1])
+    assert torch.equal(layer(x.reshape(1, 17, 128)), together.reshape(1, 17, 200))  # any leading shape
+
+
+def test_bf16_weight_and_activations():
+    """bf16 weights are read as they are; bf16 activations come back bf16; unpacked runs F.linear on the weight."""
+    g = torch.Generator().manual_seed(5)
+    linear = random_linear(64, 96, True, g, torch.bfloat16)
+    layer = RowInt8Linear.from_linear(linear)
+    x = torch.randn(3, 96, generator=g)
+    want = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    assert (layer(x).double() - want).abs().max() <= rounding_bound(x, linear.weight.float(), 127).max()
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    with unpacked(layer):
+        assert torch.equal(layer(x), F.linear(x.bfloat16(), linear.weight, linear.bias).float())
+
+
+def test_quantize_target_swaps_every_linear_and_runs_fp32():
+    model = tiny_model("qwen2", seed=2, tie_word_embeddings=True).to(torch.bfloat16)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantize_target(model) == linears and is_target_quantized(model)
+    assert all(isinstance(m, RowInt8Linear) for m in model.modules() if isinstance(m, nn.Linear))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for m in model.modules() if not isinstance(m, RowInt8Linear)
+               for p in m.parameters(recurse=False))
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # kept for unpacked runs only
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])
+def test_engine_is_lossless_against_the_quantized_target(shape):
+    """Greedy speculation with an int8 target equals plain greedy decoding of that same int8 target (HF generate:
+    prefill, then one row per step)."""
+    target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.003 * torch.randn_like(p))
+    quantize_target(target)
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
+    model = EaFsdModel(target, None, LMDrafter(draft, 1000), *shape)
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    plain = hf_greedy(target, ids, 30)
+    assert torch.equal(out.sequences, plain)
+    assert torch.equal(model.naive_generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
+    assert out.tau > 1.2
+    with unpacked(target):  # the float model decodes differently: the quantized one is what was matched
+        float_greedy = hf_greedy(target, ids, 30)
+    assert float_greedy.shape == plain.shape
+
+
+def test_draft_vocabulary_of_a_quantized_head_scores_its_rows():
+    """An EAGLE-style draft head scoring a draft vocabulary of the int8 target's lm_head gives exactly those
+    columns of the full head's logits (the same int8 rows, each column independent)."""
+    target = tiny_model("llama", seed=6)
+    quantize_target(target)
+    drafter = LMDrafter(target, 1000)  # owner = the quantized model itself
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    full = drafter.draft_head(hidden)
+    ids = torch.arange(3, 1000, 7)
+    drafter.draft_head.set_draft_vocab(ids)
+    assert isinstance(drafter.draft_head.quant, RowInt8Linear)
+    assert torch.equal(drafter.draft_head(hidden), full[:, ids])
+
+
+def test_resolve_target_quant_rules(monkeypatch):
+    target = tiny_model("llama", seed=0)
+    assert resolve_target_quant("off", target, True, False) is False
+    assert resolve_target_quant("int8", target, False, True) is True  # forced: any model, any dtype
+    for spelling in ("on", "int4", True):
+        with pytest.raises(ValueError, match=f"target_quant={spelling!r}: use 'auto', 'int8' or 'off'"):
+            resolve_target_quant(spelling, target, True, False)
+    calls = []
+
+    def timing(int8_ms):
+        def mlp_kernel_ms(hidden, intermediate, kinds, rows=(1, 4, 8)):
+            calls.append(kinds)
+            return {kind: (int8_ms if kind == "int8-rows" else 10.0) for kind in kinds}
+        return mlp_kernel_ms
+    tune_dtype.int8_measures_faster.cache_clear()
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0))  # int8 faster than every float kernel
+    assert resolve_target_quant("auto", target, True, False) is True
+    assert "int8-rows" in calls[-1] and len(calls[-1]) >= 2
+    assert resolve_target_quant("auto", target, False, False) is False  # a hub id or directory: float weights
+    assert resolve_target_quant("auto", target, True, True) is False  # a dtype named: that precision
+    tune_dtype.int8_measures_faster.cache_clear()
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(12.0))  # int8 slower: the float kernels stay
+    assert resolve_target_quant("auto", target, True, False) is False
+    tune_dtype.int8_measures_faster.cache_clear()
+
+
+def test_activation_bits_follow_vnni():
+    assert activation_bits({"avx2", "avx512_vnni"}) == 8 and activation_bits({"amx_int8"}) == 8
+    assert activation_bits({"avx2", "fma"}) == 7
+
+
+def test_settings_and_exactness_name_the_quantized_model():
+    import argparse
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_fsd_args(p)
+    assert parse_settings(p, p.parse_args(["--target-quant", "off"])).model.target_quant == "off"
+    assert parse_settings(p, p.parse_args([])).model.target_quant == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--target-quant", "int4"])
+    text = exactness(torch.float32, target_quantized=True)
+    assert "int8 target" in text and "--target-quant off" in text
+
+
+def test_smollm2_with_its_head_on_an_int8_target():
+    """Real SmolLM2 and its shipped EAGLE head: target_quant "int8" swaps every target linear, the head drafts
+    from the fp32 features, and greedy speculation equals plain greedy decoding of the int8 model."""
+    model = EaFsdModel.from_pretrained("smollm2-135m-instruct", target_quant="int8", total_token=8, depth=3, top_k=2,
+                                       draft_vocab=0)
+    assert is_target_quantized(model.base_model) and model.base_model.dtype == torch.float32
+    ids = model.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=40, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, model.naive_generate(ids, max_new_tokens=40, eos_token_id=[]))
+    assert out.tau > 1.5
+
+
+def test_siblings_share_one_product_with_unchanged_results():
+    """q/k/v (with Qwen2's biases) and gate/up become columns of one product each, called once per input; each
+    layer's output is bit for bit its own RowInt8Linear's, and another input (or one changed in place) is
+    recomputed, not served from the last call."""
+    from eagle_fsd.target_quant import SharedInputProduct, share_product
+    model = tiny_model("qwen2", seed=7)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    alone = {name: RowInt8Linear.from_linear(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj")}
+    alone |= {name: RowInt8Linear.from_linear(getattr(mlp, name)) for name in ("gate_proj", "up_proj")}
+    assert share_product(attention, ("q_proj", "k_proj", "v_proj"), 8) == 3
+    assert share_product(mlp, ("gate_proj", "up_proj"), 8) == 2
+    assert share_product(mlp, ("gate_proj", "up_proj"), 8) == 0  # already shared
+    assert isinstance(attention.k_proj.product, SharedInputProduct) and attention.k_proj.product is attention.q_proj.product
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 6):
+        x = torch.randn(1, rows, 64, generator=g)
+        for parent in (attention, mlp):
+            for name, layer in alone.items():
+                if hasattr(parent, name) and isinstance(getattr(parent, name), RowInt8Linear):
+                    assert torch.equal(getattr(parent, name)(x), layer(x)), name
+    x = torch.randn(2, 64, generator=g)
+    attention.q_proj(x)
+    x.mul_(3)  # changed in place: the next sibling must not reuse the product of the old values
+    assert torch.equal(attention.k_proj(x), alone["k_proj"](x))
+    assert torch.equal(attention.v_proj(x.clone()), alone["v_proj"](x))
