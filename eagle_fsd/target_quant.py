@@ -3,12 +3,12 @@
 Decoding a model of a billion or more parameters on a few cores is bound by the bytes of weight read per forward,
 and verifying a tree reads them once for all its tokens. So the target's speed is its weight bytes, as long as the
 kernel keeps a few rows as cheap as one. Measured on 2 AMD EPYC threads, 1536 -> 8960 (Qwen2.5-1.5B's MLP), weights
-from memory, ms at 1 / 4 / 8 / 16 rows:
+from memory, ms at 1 / 4 / 8 / 16 rows (benchmarks/target_quant_kernels.py):
 
-    bf16 prepacked (oneDNN)                       1.40 / 1.18 / 1.65 / 1.76
-    int4 weight-only (aten, group 32)             0.44 / 0.72 / 1.47 / 2.89   (pays per 4 rows)
-    int8 weight-only (aten)                       0.87 / 1.12 / 2.22 / 4.21
-    int8 x int8 here (FBGEMM, per-row scales)     0.37 / 0.45 / 0.55 / 0.98
+    bf16 prepacked (oneDNN)                       1.35 / 1.38 / 1.56 / 1.93
+    int4 weight-only (aten, group 32)             0.45 / 0.79 / 1.59 / 3.16   (pays per 4 rows)
+    int8 weight-only (aten)                       0.93 / 1.24 / 2.33 / 3.85
+    int8 x int8, this module's layer (FBGEMM)     0.56 / 0.77 / 0.88 / 1.22
 
 Per output channel o and input row i, with m_i = max_j |x_ij| and b bits of activation (8 on CPUs with VNNI,
 else 7, so that FBGEMM's 16-bit pair sums cannot saturate):
