@@ -283,6 +283,7 @@ def settings_of(settings: Settings) -> dict:
     arm and problem)."""
     m, tree, gen = settings.model, settings.tree, settings.generation
     return {"model": m.model, "drafter": m.drafter, "ea_model_path": m.ea_model_path, "dtype": m.dtype,
+            "target_quant": m.target_quant,  # "auto" may round the target (eagle_fsd.target_quant): another model
             "total_token": tree.total_token, "depth": tree.depth, "top_k": tree.top_k, "draft_vocab": tree.draft_vocab,
             "max_new_token": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p,
             "conv_template": m.conv_template, "threads": m.threads, "fsd_exact_prefix": settings.fsd.exact_prefix}

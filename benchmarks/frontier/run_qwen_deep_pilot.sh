@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/frontier/qwen-deep-pilot}
-eagle-fsd sweep --model qwen2.5-coder-1.5b-instruct --total-token 5 --depth 1 --top-k 4 --draft-vocab 37888 \
+eagle-fsd sweep --model qwen2.5-coder-1.5b-instruct --total-token 5 --depth 1 --top-k 4 --draft-vocab 37888 --target-quant off \
     --threads 2 --max-new-token 512 --bench humaneval gsm8k --sample 250 --limit 20 --plain-limit 5 --resume \
     --fsd lossless@16/5/2/37888 --fsd kl_qp:2,8@16/5/2/37888 \
     --fsd lossless@10/3/2/37888 --fsd kl_qp:2,8@10/3/2/37888 --out-dir "$OUT"
