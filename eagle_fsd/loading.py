@@ -23,8 +23,7 @@ from eagle_fsd.settings import AUTO, Settings
 from eagle_fsd.target_quant import activation_bits, is_target_quantized, quantize_target
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
-                            resolve_target_quant)
-from eagle_fsd.tune.dtype import target_quant_choice
+                            resolve_target_quant, target_quant_choice)
 
 EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
 TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's names (and the draft vocabulary)

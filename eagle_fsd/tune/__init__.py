@@ -26,7 +26,7 @@ draft_quant and target_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot
 public names are re-exported here.
 """
 from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,
-                                  resolve_prepack, resolve_target_quant)
+                                  resolve_prepack, resolve_target_quant, target_quant_choice)
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
                                     calibration_prompts, check_costs, device_name, measure, measure_costs,
                                     measure_overhead, timed_rounds)
@@ -40,4 +40,4 @@ __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "
            "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
            "measure_costs", "measure_overhead", "native_bf16", "read_profile", "replay",
            "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "resolve_target_quant", "target_hidden",
-           "timed_rounds", "tuning_from", "walk_tau"]
+           "target_quant_choice", "timed_rounds", "tuning_from", "walk_tau"]
