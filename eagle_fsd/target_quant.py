@@ -91,14 +91,20 @@ class SharedInputProduct(Int8Product):
     """One product over the stacked weights of sibling layers that read the same input (q/k/v, gate/up), computed
     once per input tensor: fewer, larger calls, each row's result unchanged (its scale and sums are its own)."""
 
-    def __init__(self, weight, bias, activation_bits: int = 8):
+    def __init__(self, weight, bias, activation_bits: int = 8, readers: int = 1):
         super().__init__(weight, bias, activation_bits)
-        self.last_input, self.last_version, self.last_output = None, -1, None
+        self.readers = readers  # sibling layers reading each product: once all have, it is dropped (memory)
+        self.last_input, self.last_version, self.last_output, self.unread = None, -1, None, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is not self.last_input or x._version != self.last_version:  # another tensor, or changed in place
             self.last_input, self.last_version, self.last_output = x, x._version, super().__call__(x)
-        return self.last_output
+            self.unread = self.readers
+        output = self.last_output
+        self.unread -= 1
+        if self.unread <= 0:
+            self.last_input, self.last_output = None, None
+        return output
 
 
 class RowInt8Linear(nn.Linear):
@@ -148,7 +154,8 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     if any(layer.bias is not None for layer in layers):
         biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
                             else torch.zeros(layer.out_features) for layer in layers])
-    product = SharedInputProduct(torch.cat([layer.weight.detach() for layer in layers]), biases, activation_bits)
+    product = SharedInputProduct(torch.cat([layer.weight.detach() for layer in layers]), biases, activation_bits,
+                                 readers=len(layers))
     start = 0
     for name, layer in zip(names, layers):
         columns = slice(start, start + layer.out_features)
