@@ -28,16 +28,28 @@ from eagle_fsd.tree.dynamic import DraftTree
 DISTRIBUTIONS = ("raw", "processed")
 
 
+def below_threshold(divergences: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
+    """D < T, except that T = inf admits D = +inf too: every D but NaN. threshold: T, or one T per divergence (a
+    NaN T admits nothing: FSD off there). Compared in float64: a T beyond float32's range would round to inf
+    against float32 divergences."""
+    threshold = torch.as_tensor(threshold, dtype=torch.float64, device=divergences.device).expand(divergences.shape)
+    return torch.where(threshold == math.inf, ~divergences.isnan(), divergences.double() < threshold)
+
+
+def reducible_chain(accepted: torch.Tensor, divergences: torch.Tensor, threshold: torch.Tensor | float):
+    """The reducible rule on a chain of drafts (each node has one child): draft i is kept when the lossless test
+    kept it or D_i < T. accepted: (n,) bool, the lossless verdicts; divergences: (n,) D_i = Div(p_i, q_i), p_i and
+    q_i the target's and the drafter's distributions at draft i's position. The chain ends at its first False."""
+    return accepted | below_threshold(divergences, threshold)
+
+
 def reducible_choices(tree: DraftTree, target_choice: torch.Tensor, divergences: torch.Tensor, threshold: float):
     """Lossless rule first; where no child matches and D < T, the top-ranked child instead. Nothing is blocked."""
     child = top_child(tree)
     parents = tree.parents[1:]
     child_matches = (tree.tokens[1:] == target_choice[parents]).long()
     matched = torch.zeros_like(child).scatter_reduce_(0, parents, child_matches, "amax").bool()
-    # D < T, except that T = inf admits D = +inf too: every D but NaN. Compared in float64: a T beyond float32's
-    # range would round to inf against float32 divergences.
-    close = ~divergences.isnan() if threshold == math.inf else divergences.double() < threshold
-    fuzzy = (child >= 0) & ~matched & close
+    fuzzy = (child >= 0) & ~matched & below_threshold(divergences, threshold)
     return torch.where(fuzzy, tree.tokens[child.clamp(min=0)], target_choice), None
 
 

@@ -49,10 +49,12 @@ LAYER_OF = {
     "eagle_fsd.chat": "apps",
     "eagle_fsd.train": "apps",
     "eagle_fsd.eval": "apps",
+    "eagle_fsd.vllm": "apps",  # the vLLM plugin: FSD's rule on vLLM's draft chains
     "eagle_fsd.cli": "entry",
 }
 # Apps that must not import each other (a module outside these groups may be imported by any app).
-APP_GROUP_OF = {"eagle_fsd.chat": "chat", "eagle_fsd.train": "train", "eagle_fsd.eval": "eval"}
+APP_GROUP_OF = {"eagle_fsd.chat": "chat", "eagle_fsd.train": "train", "eagle_fsd.eval": "eval",
+                 "eagle_fsd.vllm": "vllm"}
 
 
 def covering_key(module: str, table: dict) -> str | None:
