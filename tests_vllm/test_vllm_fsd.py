@@ -74,10 +74,11 @@ def test_a_large_threshold_raises_acceptance_when_sampling(speculative):
 
 
 def test_a_large_threshold_raises_acceptance(speculative):
-    _, lossless = generate(speculative, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS))
-    _, fsd_1 = generate(speculative, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, extra_args={"fsd_threshold": 1.0}))
-    _, fsd_4 = generate(speculative, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS,
-                                               extra_args={"fsd_threshold": 4.0, "fsd_divergence": "kl_qp"}))
+    def greedy(extra):
+        return generate(speculative, PROMPTS, SamplingParams(temperature=0, max_tokens=TOKENS, extra_args=extra))[1]
+
+    lossless, fsd_1, fsd_4 = greedy(None), greedy({"fsd_threshold": 1.0}), greedy({"fsd_threshold": 4.0,
+                                                                                   "fsd_divergence": "kl_qp"})
     assert lossless < fsd_1 < fsd_4 <= 3.0
 
 
