@@ -35,7 +35,6 @@ from eagle_fsd.fsd import FsdConfig, reducible_chain
 SUPPORTED_VLLM = ("0.32",)  # major.minor releases whose runner and proposer this plugin wraps
 THRESHOLD_ENV, DIVERGENCE_ENV = "EAGLE_FSD_THRESHOLD", "EAGLE_FSD_DIVERGENCE"
 _WRAPPED = "_eagle_fsd_wrapped"
-ORIGINALS = {}  # vLLM's own methods the plugin wrapped, by name ("_sample", "_sample_draft_tokens")
 
 
 def check_vllm_version(version: str) -> None:
@@ -215,7 +214,6 @@ def register() -> None:
     if getattr(GPUModelRunner, _WRAPPED, False):
         return
     sample, draft = GPUModelRunner._sample, SpecDecodeBaseProposer._sample_draft_tokens
-    ORIGINALS.update(_sample=sample, _sample_draft_tokens=draft)
     GPUModelRunner._sample = lambda self, logits, metadata: _fsd_sample(self, sample, logits, metadata)
     SpecDecodeBaseProposer._sample_draft_tokens = (
         lambda self, hidden_states, sampling_metadata: _keep_draft_distribution(self, draft, hidden_states,
