@@ -55,7 +55,7 @@ UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm")  # extra norms before fc (spec
 class Eagle3Layer(nn.Module):
     """The EAGLE-3 decoder layer: attention over cat(input_layernorm(embedding), hidden_norm(h)), residual h."""
 
-    def __init__(self, config: LlamaConfig, norm_before_residual: bool = False):
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool = False, o_proj_bias: bool = False):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.norm_before_residual = norm_before_residual
@@ -65,6 +65,9 @@ class Eagle3Layer(nn.Module):
         for name in ("q_proj", "k_proj", "v_proj"):  # the queries, keys and values read 2H
             out_features = getattr(self.self_attn, name).out_features
             setattr(self.self_attn, name, nn.Linear(2 * hidden, out_features, bias=config.attention_bias))
+        if o_proj_bias and self.self_attn.o_proj.bias is None:  # SGLang heads with "bias": true (see eagle3_export)
+            o_proj = self.self_attn.o_proj
+            self.self_attn.o_proj = nn.Linear(o_proj.in_features, o_proj.out_features, bias=True)
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
         self.mlp = LlamaMLP(config)
 
@@ -87,7 +90,7 @@ class Eagle3Head(nn.Module):
 
     def __init__(self, config: LlamaConfig, draft_vocab_size: int, target_hidden_size: int | None = None,
                  num_aux: int = 3, norm_before_residual: bool = False, own_embedding: bool = False,
-                 fc_bias: bool = False):
+                 fc_bias: bool = False, o_proj_bias: bool = False):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
@@ -95,7 +98,7 @@ class Eagle3Head(nn.Module):
         self.aux_hidden_indices: tuple[int, ...] | None = None  # None: the default (2, N//2, N-3)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embedding else None
         self.fc = nn.Linear(num_aux * self.target_hidden_size, hidden, bias=fc_bias)
-        self.midlayer = Eagle3Layer(config, norm_before_residual)
+        self.midlayer = Eagle3Layer(config, norm_before_residual, o_proj_bias)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -284,7 +287,8 @@ def build_head(fmt: Eagle3Format, state: dict, num_aux: int = 3) -> Eagle3Head:
     """An Eagle3Head holding `state` (canonical names); ValueError listing missing / unexpected / misshapen weights."""
     draft_vocab = state["lm_head.weight"].shape[0] if "lm_head.weight" in state else (fmt.draft_vocab_size or 0)
     head = Eagle3Head(fmt.config, draft_vocab, fmt.target_hidden_size, num_aux, fmt.norm_before_residual,
-                      own_embedding="embed_tokens.weight" in state, fc_bias="fc.bias" in state)
+                      own_embedding="embed_tokens.weight" in state, fc_bias="fc.bias" in state,
+                      o_proj_bias="midlayer.self_attn.o_proj.bias" in state)
     load_weights(head, state, "EAGLE-3 head", fmt.layout)
     return head
 

@@ -5,12 +5,19 @@
   "sglang"       SGLang / SpecForge: architectures LlamaForCausalLMEagle3, other layers in
                  eagle_config.eagle_aux_hidden_state_layer_ids (outputs of layers: index - 1, see eagle_fsd.eagle3).
   "speculators"  vLLM speculators: architectures Eagle3Speculator, the Llama fields under transformer_layer_config,
-                 weights layers.0.*, eagle_aux_hidden_state_layer_ids = inputs of layers (the indices themselves).
+                 weights layers.0.*, eagle_aux_hidden_state_layer_ids = inputs of layers (the indices themselves),
+                 speculators_config.verifier.name_or_path = the target, which `vllm serve HEAD_DIR` loads.
+
+A bias on fc: SGLang builds fc with `bias=config.bias`, and its Llama attention reads the same flag for o_proj, so
+the sglang layout writes "bias": true and a zero o_proj bias (what this head computes). SafeAILab and vLLM (0.32
+llama_eagle3.py) build fc without a bias: those layouts refuse such a head.
 """
 from __future__ import annotations
 
 import json
 import os
+
+import torch
 
 from safetensors.torch import save_file
 
@@ -54,7 +61,17 @@ def sglang_aux_ids(indices: tuple[int, ...]) -> list[int]:
     return list(indices)
 
 
-def export_config(head: Eagle3Head, layout: str, target_config=None) -> dict:
+def _check_fc_bias(head: Eagle3Head, layout: str) -> None:
+    if head.fc.bias is not None and layout != "sglang":
+        raise ValueError(f"this EAGLE-3 head has a bias on fc, which the {layout!r} layout cannot hold (its loader "
+                         "builds fc without one and would drop it): export it with layout 'sglang' (config bias: "
+                         "true)")
+
+
+def export_config(head: Eagle3Head, layout: str, target_config=None, verifier: str | None = None) -> dict:
+    """config.json of `head` in `layout`; verifier names the target for the speculators layout (a hub id or a
+    directory), else target_config's name_or_path."""
+    _check_fc_bias(head, layout)
     indices = _target_indices(head, target_config)
     fields = llama_fields(head)
     wider = head.target_hidden_size != head.config.hidden_size  # written only then: SafeAILab reads its presence
@@ -65,7 +82,7 @@ def export_config(head: Eagle3Head, layout: str, target_config=None) -> dict:
                 "transformer_layer_config": fields, **extra,
                 "norm_before_residual": head.midlayer.norm_before_residual,
                 "eagle_aux_hidden_state_layer_ids": None if indices is None else list(indices),
-                "speculators_config": _speculators_config(target_config)}
+                "speculators_config": _speculators_config(target_config, verifier)}
     if head.midlayer.norm_before_residual:
         raise ValueError(f"a head with norm_before_residual has no {layout!r} spelling; use the speculators layout")
     if layout == "eagle":
@@ -73,15 +90,21 @@ def export_config(head: Eagle3Head, layout: str, target_config=None) -> dict:
             raise ValueError(f"the SafeAILab layout always reads the default layers; this head reads hidden-state "
                              f"indices {indices}: use the sglang or speculators layout")
         return {"architectures": ["LlamaForCausalLM"], **fields, **extra}
+    if head.fc.bias is not None:
+        fields["bias"] = True
     eagle_config = {"use_aux_hidden_state": True}
     if indices is not None:
         eagle_config["eagle_aux_hidden_state_layer_ids"] = sglang_aux_ids(tuple(indices))
     return {"architectures": [SGLANG_ARCH], **fields, **extra, "eagle_config": eagle_config}
 
 
-def _speculators_config(target_config) -> dict:
-    verifier = {"name_or_path": getattr(target_config, "_name_or_path", None) or None,
-                "architectures": list(getattr(target_config, "architectures", None) or [])}
+def _speculators_config(target_config, verifier: str | None) -> dict:
+    name = verifier or getattr(target_config, "_name_or_path", None)
+    if not name:
+        raise ValueError("the speculators layout names the head's target in speculators_config.verifier.name_or_path "
+                         "(vLLM loads it when it serves the head's folder): pass verifier='ORG/MODEL' or the "
+                         "target's directory (train-head --verifier)")
+    verifier = {"name_or_path": name, "architectures": list(getattr(target_config, "architectures", None) or [])}
     return {"algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}]}
 
@@ -95,16 +118,20 @@ def export_state(head: Eagle3Head, layout: str) -> dict:
         if layout == "speculators" and name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
         state[name] = tensor.detach().to("cpu").contiguous().clone()
+    o_bias = "midlayer.self_attn.o_proj.bias"
+    if layout == "sglang" and head.fc.bias is not None and o_bias not in state:  # SGLang's o_proj follows "bias"
+        state[o_bias] = torch.zeros_like(head.fc.bias)
     return state
 
 
-def save_eagle3_head(head: Eagle3Head, out_dir: str, layout: str = "eagle", target_config=None) -> None:
+def save_eagle3_head(head: Eagle3Head, out_dir: str, layout: str = "eagle", target_config=None,
+                     verifier: str | None = None) -> None:
     """Write `head` to out_dir as config.json + model.safetensors in `layout` ("eagle", "sglang" or "speculators").
-    target_config (the target's config) tells whether the head's layers are the default ones and names the
-    verifier in the speculators config."""
+    target_config (the target's config) tells whether the head's layers are the default ones; verifier (a hub id
+    or a directory; default target_config's name_or_path) is the target the speculators config names."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-    config = export_config(head, layout, target_config)
+    config = export_config(head, layout, target_config, verifier)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -196,12 +196,13 @@ def _fsd_sample(runner, original, logits, metadata):
 
 
 def _keep_draft_distribution(proposer, original, hidden_states, sampling_metadata):
-    """vLLM's draft tokens, with the drafter's distribution returned even where vLLM drafts greedily (its argmax
-    rows then come with softmax of the draft logits at temperature 1)."""
-    tokens, probs = original(proposer, hidden_states, sampling_metadata)
-    if probs is not None or getattr(proposer, "use_heterogeneous_vocab", False):
-        return tokens, probs
-    return tokens, proposer.model.compute_logits(hidden_states).float().softmax(-1)
+    """vLLM's draft tokens, with the drafter's distribution returned even where vLLM drafts greedily: the argmax of
+    the draft logits, and their softmax at temperature 1 (one lm_head product, as vLLM's greedy step)."""
+    if (proposer._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy) \
+            or proposer.use_local_argmax_reduction or proposer.use_heterogeneous_vocab:
+        return original(proposer, hidden_states, sampling_metadata)  # vLLM's q, or no full-vocabulary logits
+    logits = proposer.model.compute_logits(hidden_states)
+    return logits.argmax(dim=-1), logits.float().softmax(-1)
 
 
 def register() -> None:

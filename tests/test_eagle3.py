@@ -52,8 +52,11 @@ def random_head(seed=0, norm_before_residual=False, hidden=H, target_hidden=None
     return head.eval()
 
 
+VERIFIER = "org/tiny-target"  # the target the speculators config names (the tiny target has no name of its own)
+
+
 def save_dir(path, head, layout, target):
-    save_eagle3_head(head, str(path), layout, target.config)
+    save_eagle3_head(head, str(path), layout, target.config, VERIFIER)
     return path
 
 
@@ -168,6 +171,46 @@ def test_norm_before_residual_speculators(tmp_path, target):
         save_eagle3_head(source, str(tmp_path / "e"), "eagle", target.config)
 
 
+def test_speculators_config_names_the_verifier(tmp_path, target):
+    """vLLM serves a speculators folder by loading speculators_config.verifier.name_or_path: never null."""
+    head = random_head()
+    config = json.loads((save_dir(tmp_path / "given", head, "speculators", target) / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == VERIFIER
+    named = LlamaConfig(**HEAD_FIELDS, name_or_path="/models/target")
+    assert export_config(head, "speculators", named)["speculators_config"]["verifier"]["name_or_path"] == \
+        "/models/target"
+    with pytest.raises(ValueError, match="verifier="):
+        save_eagle3_head(head, str(tmp_path / "none"), "speculators", target.config)
+
+
+def test_train_head_names_the_verifier_a_server_can_load(tmp_path):
+    from eagle_fsd.presets import serving_name
+
+    assert serving_name("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert serving_name("Org/Model-7B") == "Org/Model-7B"
+    assert serving_name(str(tmp_path)) == str(tmp_path.resolve())
+
+
+def test_fc_bias_exported_for_sglang_only(tmp_path, target):
+    """SGLang: fc bias = config.bias, and its Llama attention gives o_proj a bias under the same flag (written as
+    zeros); SafeAILab and vLLM build fc without a bias, so those layouts refuse the head."""
+    source = random_head(seed=9)
+    source.fc = torch.nn.Linear(3 * H, H, bias=True)
+    torch.nn.init.normal_(source.fc.bias)
+    config = json.loads((save_dir(tmp_path, source, "sglang", target) / "config.json").read_text())
+    assert config["bias"] is True
+    state = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(state["midlayer.self_attn.o_proj.bias"], torch.zeros(H))
+    head, _ = load_eagle3_head(str(tmp_path), target)
+    embeds, features, positions, mask = inputs()
+    with torch.no_grad():
+        for a, b in zip(source(embeds, features, positions, mask), head(embeds, features, positions, mask)):
+            assert torch.equal(a, b)
+    for layout in ("eagle", "speculators"):
+        with pytest.raises(ValueError, match="bias on fc.*'sglang'"):
+            save_dir(tmp_path / layout, source, layout, target)
+
+
 def test_head_with_own_hidden_size_and_embedding(tmp_path, target):
     source = random_head(seed=6, hidden=32, target_hidden=H)
     assert tuple(source.fc.weight.shape) == (32, 3 * H)
@@ -219,7 +262,7 @@ def test_loader_casts_to_target_dtype(tmp_path):
     ("speculators", [1, 3, 8], (1, 3, 8)),   # id N: the last layer's output
 ])
 def test_aux_layer_ids_to_hidden_state_indices(target, layout, ids, want):
-    config = export_config(random_head(), layout)
+    config = export_config(random_head(), layout, verifier=VERIFIER)
     (config["eagle_config"] if layout == "sglang" else config)["eagle_aux_hidden_state_layer_ids"] = ids
     assert aux_hidden_indices(read_format(config), N_LAYERS) == want
 

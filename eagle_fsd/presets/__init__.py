@@ -27,6 +27,7 @@ from eagle_fsd.presets.hub import (
     hub_reachable,
     in_hf_cache,
     resolve_model,
+    serving_name,
 )
 from eagle_fsd.presets.registry import (
     CHAT_EOS,
@@ -49,6 +50,7 @@ __all__ = [
     "is_fetched",
     "fetch",
     "resolve_model",
+    "serving_name",
     "check_hub_id",
     "default_drafter",
     "shipped_head",

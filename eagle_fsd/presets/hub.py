@@ -34,6 +34,17 @@ def resolve_model(name_or_path: str, fetch_missing: bool = True) -> str:
     return name_or_path
 
 
+def serving_name(name_or_path: str) -> str:
+    """How another engine (vLLM, SGLang) should name this model: a preset's hub repository, a directory's absolute
+    path, a hub id as given."""
+    name_or_path = os.fspath(name_or_path)
+    if name_or_path in PRESETS and PRESETS[name_or_path].hub_id:
+        return PRESETS[name_or_path].hub_id
+    if os.path.isdir(name_or_path):
+        return os.path.abspath(name_or_path)
+    return name_or_path
+
+
 # Longest wait for the hub probe, DNS included (transformers alone retries for ~30 s before failing).
 HUB_PROBE_SECONDS = 3.0
 

@@ -36,6 +36,7 @@ class Preset:
     description: str
     drafter: str | None = None  # preset sharing this one's tokenizer, to draft for it by default
     head_sha256: str | None = None  # of the EAGLE head shipped in eagle_fsd/heads/<name>/model.safetensors
+    hub_id: str | None = None  # the Hugging Face repository of the model this GGUF quantizes
 
 
 def _chunked(package: str, version: str, count: int, layout: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -68,6 +69,7 @@ PRESETS: dict[str, Preset] = {
             save_dtype="float32",
             description="SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49,152), Q4_1 GGUF; fast test model",
             head_sha256=SMOLLM2_HEAD_SHA256,
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         Preset(
             name="qwen2.5-coder-0.5b-instruct",
@@ -78,6 +80,7 @@ PRESETS: dict[str, Preset] = {
             size=491_400_064,
             save_dtype="float32",
             description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, vocab 151,936), Q4_K_M GGUF; CPU demo target",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
         Preset(
             name="qwen2.5-coder-1.5b-instruct",
@@ -91,6 +94,7 @@ PRESETS: dict[str, Preset] = {
             description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers), Q4_K_M GGUF; bigger target, 0.5B drafts for it",
             # Same 151,936-token vocabulary and chat template (offline.md §2.3).
             drafter="qwen2.5-coder-0.5b-instruct",
+            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
         ),
     )
 }

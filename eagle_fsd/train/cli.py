@@ -71,6 +71,9 @@ def parse_args(argv):
     p.add_argument("--ttt-steps", type=int, default=7, help="eagle3: training-time-test unroll steps")
     p.add_argument("--export", choices=["eagle", "sglang", "speculators"], default="eagle",
                    help="eagle3: checkpoint layout written (SafeAILab EAGLE, SGLang/SpecForge, vLLM speculators)")
+    p.add_argument("--verifier", default=None, metavar="NAME",
+                   help="--export speculators: the target vLLM loads when it serves the head's folder (default: a "
+                        "preset's hub id, a hub id as given, a directory's absolute path)")
     p.add_argument("--data", default="sharegpt",
                    help="sharegpt | fastchat-dummy | a ShareGPT-format .json/.jsonl (comma-separated for several)")
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
@@ -231,7 +234,10 @@ def save_and_report(run: Run, argv: list[str], samples, head, raw: dict, summary
     from eagle_fsd.eagle3 import load_eagle3_head
 
     if raw is None:  # EAGLE-3
-        save_eagle3_head(head.cast(DTYPES[run.args.save_dtype]), str(run.out), run.args.export, run.target.config)
+        from eagle_fsd.presets import serving_name
+
+        save_eagle3_head(head.cast(DTYPES[run.args.save_dtype]), str(run.out), run.args.export, run.target.config,
+                         run.args.verifier or serving_name(run.args.base))
         digest = sha256_file(run.out / "model.safetensors")
         load_eagle3_head(str(run.out), run.target)
     else:
