@@ -4,6 +4,7 @@ same drafter vs this engine (lossless, and FSD rows), on the same MT-Bench first
     python -m eagle_fsd.eval.bench --model qwen2.5-coder-1.5b-instruct --questions 10 --threads 2
     python -m eagle_fsd.eval.bench --model smollm2-135m-instruct --questions 10 --threads 2
     python -m eagle_fsd.eval.bench ... --fsd kl_qp:0.5,2 --fsd tv:0.3   # FSD sweep rows
+    python -m eagle_fsd.eval.bench ... --also-vllm .venv-vllm/bin/python   # vLLM CPU rows (eval/vllm_peer.py)
 
 Methods run question by question in turn (slow drift of the machine hits all alike). Speedups are total tokens /
 total seconds against HF generate, and per question; τ = tokens per target forward, bonus included. With the
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from eagle_fsd.dtypes import dtype_name, torch_dtype
 from eagle_fsd.eval.data import load_questions
+from eagle_fsd.eval.vllm_peer import VllmJob, run_rows
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.loading import as_hf_runs_it
 from eagle_fsd.model import load_model
@@ -33,7 +35,7 @@ from eagle_fsd.target_quant import weights_label
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import device_name
 from eagle_fsd.prompts import PromptFormat
-from eagle_fsd.presets import drafter_label, resolve_model
+from eagle_fsd.presets import default_drafter, drafter_label, resolve_model
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 
 PHASES = ("draft", "verify", "accept", "cache", "other")
@@ -53,6 +55,9 @@ class BenchJob:
     also_tree: list[str] = field(default_factory=list)  # "TOTAL_TOKEN,DEPTH,TOP_K"
     also_hf_dtype: list[str] = field(default_factory=list)  # HF generate on a copy of the target in these dtypes
     also_full_drafter: bool = False  # eagle-fsd again with a quantized drafter's original weights
+    also_vllm: str | None = None  # the vLLM environment's Python: vLLM rows (plain, the drafter, FSD)
+    vllm_draft_tokens: int = 3  # drafts per step in vLLM's rows
+    vllm_dtype: str = "auto"  # vLLM's dtype: auto is the checkpoint's, what a vLLM user gets
 
 
 def parse_fsd(specs: list[str]) -> list[tuple[str, float]]:
@@ -134,6 +139,7 @@ def run(job: BenchJob) -> dict:
     methods = methods_for(model, job, hf_target)
     model.generate(ids_list[0][:, :16], max_new_tokens=8)  # warm-up
     hf_method(hf_target, 8)(ids_list[0][:, :16])
+    vllm = run_rows(job.also_vllm, vllm_job(model, job, ids_list)) if job.also_vllm else None
     totals = {m: defaultdict(float) for m in methods}
     per_question = {m: [] for m in methods}
     reference, plain_reference = [], []
@@ -156,7 +162,7 @@ def run(job: BenchJob) -> dict:
                     t[f"phase_{phase}"] += sec
             if name == "hf-generate":
                 reference.append(seq)
-            elif not name.startswith("fsd"):
+            elif not lossy(name):
                 t["identical"] += int(torch.equal(seq, reference[qi]))
                 t["shared_with_hf"] += shared_prefix(seq, reference[qi], ids.shape[1])
                 if name == "plain":
@@ -165,9 +171,50 @@ def run(job: BenchJob) -> dict:
                     t["identical_to_plain"] += int(torch.equal(seq, plain_reference[qi]))
                     t["shared_with_plain"] += shared_prefix(seq, plain_reference[qi], ids.shape[1])
         print(f"question {qi + 1}/{len(ids_list)} done", flush=True)
+    if vllm is not None:
+        add_vllm_rows(vllm["rows"], ids_list, reference, totals, per_question)
     result = summarize(model, job.settings, ids_list, totals, per_question)
+    if vllm is not None:
+        result["vllm_version"], result["vllm_dtype"] = vllm["version"], vllm["dtype"]
     result["peak_rss_gb_engine_loaded"] = loaded_rss
     return result
+
+
+def vllm_job(model, job: BenchJob, ids_list) -> VllmJob:
+    """The same prompts, target and LM drafter for vLLM (no speculative rows when the engine drafts with a head)."""
+    m = job.settings.model
+    lm_drafter = as_hf_runs_it(model.drafter.assistant_model) is not None if model.drafter else False
+    drafter = resolve_model(m.drafter or default_drafter(m.model)) if lm_drafter else None
+    if drafter is None:
+        print("vLLM: plain row only (its speculative rows need an LM drafter; this engine drafts with a head)")
+    fsd = [(f.divergence, f.threshold) for f in job.fsd_rows if f.mode == "reducible"]
+    return VllmJob(resolve_model(m.model), drafter, job.vllm_dtype,
+                   [ids[0].tolist() for ids in ids_list], job.settings.generation.max_new_tokens,
+                   torch.get_num_threads(), job.vllm_draft_tokens, fsd)
+
+
+def add_vllm_rows(rows: dict, ids_list, reference, totals, per_question) -> None:
+    """vLLM's rows into the totals, compared with HF generate's outputs as the engine's rows are, and with plain
+    vLLM's (its speculation is lossless up to its kernels' rounding)."""
+    for name, runs in rows.items():
+        t = totals[name] = defaultdict(float)
+        per_question[name] = []
+        for ids, ref, r in zip(ids_list, reference, runs):
+            t["tokens"] += len(r["tokens"])
+            t["seconds"] += r["wall_time"]
+            if name != "vllm":  # target forwards: the prefill, then one per verification step
+                t["steps"] += r["steps"] + 1
+                t["accepted"] += r["accepted"]
+            per_question[name].append(len(r["tokens"]) / r["wall_time"])
+            seq = torch.cat([ids, torch.tensor([r["tokens"]], dtype=ids.dtype)], dim=1)
+            t["identical"] += int(torch.equal(seq, ref))
+            t["shared_with_hf"] += shared_prefix(seq, ref, ids.shape[1])
+            if name != "vllm" and "vllm" in rows:
+                t["identical_to_vllm"] += int(r["tokens"] == rows["vllm"][len(per_question[name]) - 1]["tokens"])
+
+
+def lossy(name: str) -> bool:
+    return name.startswith(("fsd", "vllm fsd"))
 
 
 def peak_rss_gb() -> float:
@@ -183,7 +230,8 @@ def shared_prefix(sequence: torch.Tensor, reference: torch.Tensor, prompt_len: i
     return int(differ[0, 0]) if differ.numel() else n
 
 
-def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict:
+def summarize_rows(totals, per_question, questions: int) -> list[dict]:
+    """One row per method: tokens/s and speedup over HF generate (in total and per question), tau, identity."""
     base = totals["hf-generate"]["tokens"] / totals["hf-generate"]["seconds"]
     rows = []
     for name, t in totals.items():
@@ -194,17 +242,25 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
                "speedup_min_question": round(min(ratios), 3), "speedup_per_question": [round(r, 3) for r in ratios]}
         if t["steps"]:
             row["tau"] = round(t["tokens"] / t["steps"], 3)
+        if "fuzzy" in t:  # the engine's own rows
             row["fuzzy_fraction"] = round(t["fuzzy"] / max(t["accepted"], 1), 3)
             row["plain_steps"] = int(t["plain_steps"])
             row["phase_seconds"] = {p: round(t[f"phase_{p}"], 2) for p in PHASES if f"phase_{p}" in t}
-        if name != "hf-generate" and not name.startswith("fsd"):
-            row["identical_to_hf_generate"] = f"{int(t['identical'])}/{len(ids_list)}"
+        if name != "hf-generate" and not lossy(name):
+            row["identical_to_hf_generate"] = f"{int(t['identical'])}/{questions}"
             # new tokens equal to the reference's before the first difference, averaged over the questions
-            row["shared_prefix_with_hf_generate"] = round(t["shared_with_hf"] / len(ids_list), 1)
-            if name != "plain" and "plain" in totals:
-                row["identical_to_plain"] = f"{int(t['identical_to_plain'])}/{len(ids_list)}"
-                row["shared_prefix_with_plain"] = round(t["shared_with_plain"] / len(ids_list), 1)
+            row["shared_prefix_with_hf_generate"] = round(t["shared_with_hf"] / questions, 1)
+            if name != "plain" and "plain" in totals and not name.startswith("vllm"):
+                row["identical_to_plain"] = f"{int(t['identical_to_plain'])}/{questions}"
+                row["shared_prefix_with_plain"] = round(t["shared_with_plain"] / questions, 1)
+            if name.startswith("vllm ") and "vllm" in totals:
+                row["identical_to_vllm_plain"] = f"{int(t['identical_to_vllm'])}/{questions}"
         rows.append(row)
+    return rows
+
+
+def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict:
+    rows = summarize_rows(totals, per_question, len(ids_list))
     m = settings.model
     result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
               "dtype": dtype_name(model.base_model.dtype), "questions": len(ids_list),
@@ -239,7 +295,8 @@ def print_table(result: dict) -> None:
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         fuzzy = f"{r['fuzzy_fraction']:.2f}" if "fuzzy_fraction" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>8.2f}{r['speedup']:>7.2f}x{r['speedup_min_question']:>6.2f}x"
-              f"{tau:>7}{fuzzy:>7}{r.get('identical_to_hf_generate', '-'):>12}{r.get('identical_to_plain', '-'):>15}")
+              f"{tau:>7}{fuzzy:>7}{r.get('identical_to_hf_generate', '-'):>12}"
+              f"{r.get('identical_to_plain', r.get('identical_to_vllm_plain', '-')):>15}")
     if "predicted_speedup_over_plain" in result:
         print(f"cost model: predicted {result['predicted_speedup_over_plain']:.2f}x over plain for these prompts and "
               f"tokens ({result['predicted_speedup_over_plain_per_token']:.2f}x per new token, prefill aside), "
@@ -247,6 +304,9 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
+    if "vllm_version" in result:
+        print(f"vllm rows: vLLM {result['vllm_version']} in its own environment, dtype {result['vllm_dtype']}, run "
+              "before the others; their 'same as plain' is against plain vLLM")
     if "peak_rss_gb_engine_loaded" in result:
         print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
 
@@ -269,13 +329,20 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     p.add_argument("--also-full-drafter", action="store_true",
                    help="with an int4 / int8 drafter (--draft-quant), also run eagle-fsd with the drafter's original "
                         "weights, same tree: what quantizing it saves, in the same run")
+    p.add_argument("--also-vllm", default=None, metavar="PYTHON",
+                   help="also run vLLM on the CPU (plain, the same LM drafter, the --fsd rows through the eagle_fsd "
+                        "plugin) with this vLLM environment's Python, e.g. .venv-vllm/bin/python")
+    p.add_argument("--vllm-draft-tokens", type=int, default=3, help="drafts per step in the vLLM rows")
+    p.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="vLLM's dtype (auto: the checkpoint's, vLLM's default)")
     p.add_argument("--json", default=None, help="write the results here")
     add_threads_arg(p)
     args = p.parse_args(argv)
     settings = parse_settings(p, args)
     fsd_rows = [FsdConfig(t, name, settings.fsd.mode) for name, t in parse_fsd(args.fsd)]
     job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
-                   args.also_tree, args.also_hf_dtype, args.also_full_drafter)
+                   args.also_tree, args.also_hf_dtype, args.also_full_drafter, args.also_vllm,
+                   args.vllm_draft_tokens, args.vllm_dtype)
     return job, args.json
 
 
