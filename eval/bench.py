@@ -199,7 +199,7 @@ def add_vllm_rows(rows: dict, ids_list, reference, totals, per_question) -> None
     for name, runs in rows.items():
         t = totals[name] = defaultdict(float)
         per_question[name] = []
-        for ids, ref, r in zip(ids_list, reference, runs):
+        for qi, (ids, ref, r) in enumerate(zip(ids_list, reference, runs)):
             t["tokens"] += len(r["tokens"])
             t["seconds"] += r["wall_time"]
             if name != "vllm":  # target forwards: the prefill, then one per verification step
@@ -210,7 +210,7 @@ def add_vllm_rows(rows: dict, ids_list, reference, totals, per_question) -> None
             t["identical"] += int(torch.equal(seq, ref))
             t["shared_with_hf"] += shared_prefix(seq, ref, ids.shape[1])
             if name != "vllm" and "vllm" in rows:
-                t["identical_to_vllm"] += int(r["tokens"] == rows["vllm"][len(per_question[name]) - 1]["tokens"])
+                t["identical_to_vllm"] += int(r["tokens"] == rows["vllm"][qi]["tokens"])
 
 
 def lossy(name: str) -> bool:

@@ -428,7 +428,7 @@ def test_bench_vllm_rows_count_prefill_and_steps_and_compare_with_hf(tmp_path):
     ids_list = [torch.tensor([[5, 6]]), torch.tensor([[8]])]
     reference = [torch.tensor([[5, 6, 1, 2, 3, 4]]), torch.tensor([[8, 9, 9]])]
     rows = {"vllm": [{"tokens": [1, 2, 3, 4], "wall_time": 2.0, "steps": 0, "accepted": 0},
-                     {"tokens": [9, 9], "wall_time": 1.0, "steps": 0, "accepted": 0}],
+                     {"tokens": [9, 7], "wall_time": 1.0, "steps": 0, "accepted": 0}],
             "vllm draft_model": [{"tokens": [1, 2, 3, 4], "wall_time": 1.0, "steps": 1, "accepted": 2},
                                  {"tokens": [9, 7], "wall_time": 1.0, "steps": 0, "accepted": 0}],
             "vllm fsd kl_qp T=4": [{"tokens": [1, 2, 3, 5], "wall_time": 1.0, "steps": 1, "accepted": 3},
@@ -437,11 +437,11 @@ def test_bench_vllm_rows_count_prefill_and_steps_and_compare_with_hf(tmp_path):
     per_question = {"hf-generate": [2.0, 2.0]}
     add_vllm_rows(rows, ids_list, reference, totals, per_question)
     by_name = {r["method"]: r for r in summarize_rows(totals, per_question, len(ids_list))}
-    assert "tau" not in by_name["vllm"] and by_name["vllm"]["identical_to_hf_generate"] == "2/2"
+    assert "tau" not in by_name["vllm"] and by_name["vllm"]["identical_to_hf_generate"] == "1/2"
     assert by_name["vllm draft_model"]["tau"] == 2.0  # 6 tokens over 3 forwards: 2 prefills, 1 step
     assert by_name["vllm draft_model"]["identical_to_hf_generate"] == "1/2"
     assert by_name["vllm draft_model"]["shared_prefix_with_hf_generate"] == 2.5  # 4, then 1
-    assert by_name["vllm draft_model"]["identical_to_vllm_plain"] == "1/2"
+    assert by_name["vllm draft_model"]["identical_to_vllm_plain"] == "2/2"
     assert by_name["vllm fsd kl_qp T=4"]["speedup"] == 2.0 and "identical_to_hf_generate" not in \
         by_name["vllm fsd kl_qp T=4"]
     job = VllmJob("t", "d", "auto", [[1]], 8, 2, fsd=[("kl_qp", 4.0)])
