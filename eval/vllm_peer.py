@@ -105,7 +105,6 @@ def serve(job: VllmJob) -> dict:
     common = dict(model=job.target, dtype=job.dtype, max_model_len=longest, seed=0, disable_log_stats=False,
                   enable_prefix_caching=False)  # each prompt prefilled in full, as the engine's loop does
     greedy = SamplingParams(temperature=0, max_tokens=job.max_new_tokens)
-    arms = [("vllm", None)]
     rows = {"vllm": []}
     llm = LLM(**common)
     dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
@@ -115,9 +114,8 @@ def serve(job: VllmJob) -> dict:
     del llm
     gc.collect()
     if job.drafter:
-        arms = [("vllm draft_model", None)] + [(f"vllm fsd {name} T={t:g}", {"fsd_threshold": t,
-                                                                              "fsd_divergence": name})
-                                                for name, t in job.fsd]
+        names = row_names(job)[1:]  # the drafter lossless, then one row per FSD threshold
+        extras = [None] + [{"fsd_threshold": t, "fsd_divergence": name} for name, t in job.fsd]
         # vLLM 0.32 takes a draft whose path holds "eagle-" (as ~/.cache/eagle-fsd does) for an EAGLE head, whatever
         # the method says: hand it a link whose path does not
         link = os.path.join(tempfile.mkdtemp(prefix="draft"), "model")
@@ -125,13 +123,12 @@ def serve(job: VllmJob) -> dict:
         llm = LLM(**common, speculative_config={"method": "draft_model", "model": link,
                                                 "num_speculative_tokens": job.draft_tokens})
         _timed(llm, job.prompts[0][:16], SamplingParams(temperature=0, max_tokens=8))
-        for name, _ in arms:
-            rows[name] = []
-        for prompt in job.prompts:  # the speculative rows question by question in turn, as bench runs its own
-            for name, extra in arms:
+        rows.update({name: [] for name in names})
+        for qi, prompt in enumerate(job.prompts):  # the rows question by question in turn, as bench runs its own
+            for name, extra in zip(names, extras):
                 params = SamplingParams(temperature=0, max_tokens=job.max_new_tokens, extra_args=extra)
                 rows[name].append(_timed(llm, prompt, params))
-            print(f"vLLM: question {len(rows[arms[0][0]])}/{len(job.prompts)} done", flush=True)
+            print(f"vLLM: question {qi + 1}/{len(job.prompts)} done", flush=True)
         del llm
     return {"version": vllm.__version__, "dtype": dtype, "rows": rows}
 
