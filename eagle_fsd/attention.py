@@ -2,7 +2,7 @@
 
 The engine hands each forward an explicit 4-D bool mask (B, 1, N, L): the committed prefix is fully visible and the
 last N columns carry the tree mask (ancestor-or-self; a lower triangle for a causal block). Backends:
-  "sdpa"   -- transformers' own SDPA attention with that mask (the CPU default);
+  "sdpa"   -- SDPA with that mask (the CPU default), grouped key/value heads read in place (`sdpa`);
   "triton" -- eagle_fsd.kernels.tree_attention, which reads only the (N, N) tree block, bit-packed (the CUDA
               default; on CPU it runs under TRITON_INTERPRET=1, for tests).
 With "auto", the kernel serves forwards on top of a cached prefix (tree verification, draft levels, catch-up) and
@@ -32,9 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+from transformers.utils import is_torch_greater_or_equal
 
 from eagle_fsd.target_quant import FP64_ATTENTION
 
@@ -146,6 +148,23 @@ def windowed_mask(state: ForwardState, attention_mask: torch.Tensor | None, wind
 
 
 # ---------------------------------------------------------------- the attention function
+SDPA_GQA = is_torch_greater_or_equal("2.5")  # torch's SDPA takes grouped key/value heads as they are (enable_gqa)
+
+
+def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA over the engine's explicit mask. On a CPU, grouped-query heads go to torch's SDPA as they are: query head
+    h reads key/value head h // (H / H_kv). transformers' SDPA path copies each key/value head once per query head
+    whenever a masked forward holds several queries (its masked GQA kernels are for other devices), and that copy of
+    the whole cache costs more than the attention on a few CPU cores; the result is the same to the bit. One path
+    for every query count: a plain decoding step and a tree verification attend alike."""
+    if (not SDPA_GQA or attention_mask is None or query.device.type != "cpu" or query.shape[1] == key.shape[1]
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
 def _use_kernel(backend: str, query: torch.Tensor, key: torch.Tensor) -> bool:
     if backend == "auto":
         return query.device.type == "cuda" and key.shape[2] > query.shape[2]
@@ -186,14 +205,13 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, eagl
     window = module_window(module, kwargs)
     if window is not None:  # sliding layer: SDPA on the windowed mask (the kernel sees the whole prefix)
         attention_mask = windowed_mask(state, attention_mask, window, query.shape[2], key.shape[2])
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if _use_kernel(backend or state.backend, query, key):
         from eagle_fsd.kernels import tree_attention
 
         tree_mask = packed_tree_block(state, attention_mask, query.shape[2], query.device)
         return tree_attention(query, key, value, tree_mask, scale=scaling), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, eagle_fsd_attention)

@@ -180,7 +180,8 @@ class DraftHead:
         bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
         self.quant = None
         if isinstance(self.lm_head, RowInt8Linear):  # a quantized target's head: its rows, the same int8 values
-            self.quant = RowInt8Linear.from_weight(self.weight, self.bias, self.lm_head.activation_bits)
+            self.quant = RowInt8Linear.from_weight(self.weight, self.bias, self.lm_head.activation_bits,
+                                                   per_row=self.lm_head.product.per_row)
         elif bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)):
             self.quant = QuantLinear.from_weight(self.weight, self.bias, bits)
             self.quant.packed = pack_weight(self.weight) if self.lm_head.packed is not None else None

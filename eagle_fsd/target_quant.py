@@ -24,6 +24,10 @@ last-bit difference of an fp32 sum into a whole step, so the quantized model att
 fp32), whose result does not depend on how many queries and keys a forward holds. Decoding is lossless against that model (int8 weights, 8-bit activations, everything else fp32),
 not against the float weights. This rounds activations per row; llama.cpp rounds them per block of 256 for its
 4-bit dot products.
+
+A drafter needs no such exactness (its rounding only moves acceptance), so its layers round each call's activations
+with one scale, min and max of the whole call (FBGEMM's dynamic linear): one operator instead of six, which on a
+0.5B drafter's few-row forwards is a measurable share of the step.
 """
 from __future__ import annotations
 
@@ -67,19 +71,25 @@ def pack_int8(weight: torch.Tensor):
 
 class Int8Product:
     """x -> x W^T + b in fp32 through W rounded per output channel and each row of x rounded with its own scale
-    (the module docstring)."""
+    (the module docstring); per_row False: all rows of a call with one (a drafter's layers)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
+                 per_row: bool = True):
         self.out_features, self.in_features = weight.shape
         self.packed = pack_int8(weight)
         self.bias = None if bias is None else bias.detach().float()  # added after the row scale
         self.activation_bits = activation_bits
         self.levels = 2 ** (activation_bits - 1) - 1  # r: the largest |u - z|
+        self.per_row = per_row
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError("int8 layers run on the CPU only; quantize the target after moving it")
         rows = x.reshape(-1, self.in_features).float()
+        if not self.per_row:  # u = round((x - lo) / s), s = (hi - lo) / 255 over the call (/ 127 for 7 bits)
+            y = torch.ops.quantized.linear_dynamic(rows, self.packed, self.activation_bits < 8)
+            y = y if self.bias is None else y.add_(self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         peak = rows.abs().amax(1, keepdim=True).clamp_(min=1e-30)
         y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             rows / peak, 1.0 / self.levels, self.levels + 1, self.packed)
@@ -91,8 +101,8 @@ class SharedInputProduct(Int8Product):
     """One product over the stacked weights of sibling layers that read the same input (q/k/v, gate/up), computed
     once per input tensor: fewer, larger calls, each row's result unchanged (its scale and sums are its own)."""
 
-    def __init__(self, weight, bias, activation_bits: int = 8, readers: int = 1):
-        super().__init__(weight, bias, activation_bits)
+    def __init__(self, weight, bias, activation_bits: int = 8, readers: int = 1, per_row: bool = True):
+        super().__init__(weight, bias, activation_bits, per_row)
         self.readers = readers  # sibling layers reading each product: once all have, it is dropped (memory)
         self.last_input, self.last_version, self.last_output, self.unread = None, -1, None, 0
 
@@ -116,19 +126,20 @@ class RowInt8Linear(nn.Linear):
     use_packed: bool = True
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_bits: int = 8) -> RowInt8Linear:
-        return cls.from_weight(linear.weight, linear.bias, activation_bits)  # shared, not copied
+    def from_linear(cls, linear: nn.Linear, activation_bits: int = 8, per_row: bool = True) -> RowInt8Linear:
+        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row)  # shared, not copied
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
-                    product: Int8Product | None = None, columns: slice | None = None) -> RowInt8Linear:
+                    product: Int8Product | None = None, columns: slice | None = None,
+                    per_row: bool = True) -> RowInt8Linear:
         """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.shape
         layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         layer.bias = bias
-        layer.product = product or Int8Product(weight, bias, activation_bits)
+        layer.product = product or Int8Product(weight, bias, activation_bits, per_row)
         layer.columns = columns
         layer.activation_bits = layer.product.activation_bits
         return layer
@@ -143,7 +154,7 @@ class RowInt8Linear(nn.Linear):
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module reading one input
 
 
-def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int) -> int:
+def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int, per_row: bool = True) -> int:
     """The linear layers `names` of `parent`, if all there with one input width, become RowInt8Linear columns of one
     SharedInputProduct; returns how many."""
     layers = [getattr(parent, name, None) for name in names]
@@ -155,7 +166,7 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
         biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
                             else torch.zeros(layer.out_features) for layer in layers])
     product = SharedInputProduct(torch.cat([layer.weight.detach() for layer in layers]), biases, activation_bits,
-                                 readers=len(layers))
+                                 readers=len(layers), per_row=per_row)
     start = 0
     for name, layer in zip(names, layers):
         columns = slice(start, start + layer.out_features)
@@ -168,17 +179,18 @@ def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = Tr
     """Every linear layer of `model` (plain or prepacked) becomes a RowInt8Linear, and every other parameter fp32,
     so that the activations between the int8 products stay fp32; returns how many layers. The linear weights keep
     their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact: attention
-    in float64 (see the module docstring); a drafter, whose rounding only moves acceptance, goes without."""
+    in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only moves
+    acceptance, goes without both."""
     if not row_int8_supported(next(model.parameters()).device):
         raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
                          f"{torch.__version__} or device lacks it. Use target_quant 'off'")
     swapped = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            swapped += share_product(parent, names, activation_bits)
+            swapped += share_product(parent, names, activation_bits, exact)
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and not isinstance(child, RowInt8Linear):
-                setattr(parent, name, RowInt8Linear.from_linear(child, activation_bits))
+                setattr(parent, name, RowInt8Linear.from_linear(child, activation_bits, per_row=exact))
                 swapped += 1
     setattr(model.config, FP64_ATTENTION, exact)  # row-exact attention (eagle_fsd.attention)
     for module in model.modules():

@@ -137,7 +137,8 @@ def run(job: BenchJob) -> dict:
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
     hf_target = as_hf_runs_it(model.base_model)
     methods = methods_for(model, job, hf_target)
-    model.generate(ids_list[0][:, :16], max_new_tokens=8)  # warm-up
+    for fsd in [None, *job.fsd_rows[:1]]:  # warm-up, FSD's divergence pass included (its first call is slow)
+        model.generate(ids_list[0][:, :16], max_new_tokens=8, fsd=fsd)
     hf_method(hf_target, 8)(ids_list[0][:, :16])
     vllm = run_rows(job.also_vllm, vllm_job(model, job, ids_list)) if job.also_vllm else None
     totals = {m: defaultdict(float) for m in methods}

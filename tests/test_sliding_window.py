@@ -162,13 +162,13 @@ def test_triton_backend_falls_back_to_sdpa_on_sliding_layers(kind, kernel_layers
     kernel = eagle_fsd.kernels.tree_attention
     monkeypatch.setattr(eagle_fsd.kernels, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     layers = []  # the layer of every SDPA call
-    sdpa = attention.sdpa_attention_forward
+    sdpa = attention.sdpa
 
     def counting_sdpa(module, *args, **kwargs):
         layers.append(module.layer_idx)
         return sdpa(module, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "sdpa_attention_forward", counting_sdpa)
+    monkeypatch.setattr(attention, "sdpa", counting_sdpa)
     target = sliding_model(kind, 3)
     model = EaFsdModel(target, None, LMDrafter(target, VOCAB, attention="triton"), total_token=8, depth=4, top_k=2,
                        attention="triton")

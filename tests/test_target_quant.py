@@ -28,11 +28,14 @@ def random_linear(out_f, in_f, bias, g, dtype=torch.float32):
     return linear.to(dtype)
 
 
-def rounding_bound(x: torch.Tensor, w: torch.Tensor, levels: int) -> torch.Tensor:
+def rounding_bound(x: torch.Tensor, w: torch.Tensor, levels: int, per_row: bool = True) -> torch.Tensor:
     """|y - x W^T| per element when W is rounded to s_o q (|error| <= s_o / 2) and each row of x to m_i (u - z) / r
-    (|error| <= m_i / 2r): sum_j |W_oj| e_x + |x_ij| e_w + e_x e_w, plus fp32 rounding of the result."""
+    (|error| <= m_i / 2r): sum_j |W_oj| e_x + |x_ij| e_w + e_x e_w, plus fp32 rounding of the result. per_row False:
+    the whole call rounded in steps of (hi - lo) / 2r' <= 2m / 2r' (r' = r + 1/2), m its largest |x|, so again
+    |error| <= m / 2r."""
     x, w = x.double(), w.double()
-    e_x = x.abs().amax(1, keepdim=True) / (2 * levels)  # (rows, 1)
+    peak = x.abs().amax(1, keepdim=True) if per_row else x.abs().amax().expand(x.shape[0], 1)
+    e_x = peak / (2 * levels)  # (rows, 1)
     e_w = w.abs().amax(1) / 254  # (out,)
     bound = e_x * w.abs().sum(1) + x.abs().sum(1, keepdim=True) * e_w + e_x * e_w * w.shape[1]
     return bound * (1 + 1e-5) + 1e-5 * (x.abs() @ w.abs().t())
@@ -54,6 +57,39 @@ def test_row_int8_within_rounding_bound_of_float64(bits, bias, rows):
     error = (got.double() - want).abs()
     assert (error <= rounding_bound(x, linear.weight, 2 ** (bits - 1) - 1)).all()
     assert error.max() > 0  # it does round: not the float product under another name
+
+
+@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_drafter_layers_round_each_call_with_one_scale(bits, bias):
+    """A drafter's layers (quantize_target exact=False): the call rounded as one, within the bound its largest |x|
+    gives, and so a row's result depends on the rows beside it (which a target's layer must never do)."""
+    g = torch.Generator().manual_seed(bits + 2 * bias)
+    linear = random_linear(96, 160, bias, g)
+    layer = RowInt8Linear.from_linear(linear, bits, per_row=False)
+    x = torch.randn(6, 160, generator=g) * torch.tensor([1.0, 1, 1, 1, 1, 30])[:, None]
+    x[:, 7] *= 40
+    want = F.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
+    error = (layer(x).double() - want).abs()
+    assert (error <= rounding_bound(x, linear.weight, 2 ** (bits - 1) - 1, per_row=False)).all()
+    assert error.max() > 0
+    assert not torch.equal(layer(x[:5]), layer(x)[:5])  # the big sixth row coarsened the others' rounding
+    assert (layer(x[:5]).double() - want[:5]).abs().max() < error[:5].max()
+
+
+def test_quantized_drafter_rounds_per_call_and_attends_in_fp32():
+    model = tiny_model("qwen2", seed=5)
+    quantize_target(model, 8, exact=False)
+    products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowInt8Linear)}
+    assert products and not any(p.per_row for p in products.values())
+    assert getattr(model.config, "eagle_fsd_fp64_attention") is False
+    drafter = LMDrafter(model, model.config.vocab_size)
+    drafter.set_draft_vocab(torch.arange(0, model.config.vocab_size, 3))  # its lm_head's rows: rounded the same way
+    assert drafter.draft_head.quant.product.per_row is False
+    target = tiny_model("qwen2", seed=5)
+    quantize_target(target, 8)
+    assert all(m.product.per_row for m in target.modules() if isinstance(m, RowInt8Linear))
+    assert getattr(target.config, "eagle_fsd_fp64_attention") is True
 
 
 def test_each_row_is_independent_of_its_batch():
