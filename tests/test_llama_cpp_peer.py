@@ -80,6 +80,18 @@ def test_missing_llama_cpp_names_the_install(monkeypatch):
         llama_cpp_peer.open_gguf("model.gguf", 2, 256)
 
 
+def test_bench_fails_before_loading_anything(fetched, tmp_path, monkeypatch):
+    def no_run(job):
+        raise AssertionError("bench loaded models before checking the llama.cpp arguments")
+    monkeypatch.setattr(bench, "run", no_run)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(SystemExit, match="pip install llama-cpp-python"):
+        bench.main(["--model", QWEN, "--also-llama-cpp"])
+    monkeypatch.setattr(bench, "import_llama_cpp", lambda: None)
+    with pytest.raises(SystemExit, match="nope.gguf.*no such file"):
+        bench.main(["--model", QWEN, "--also-llama-cpp", str(tmp_path / "nope.gguf")])
+
+
 # --- with llama.cpp and the SmolLM2 GGUF ---------------------------------------------------------------------------
 
 needs_llama_cpp = pytest.mark.skipif(
