@@ -13,7 +13,7 @@ import time
 import torch
 
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.target_quant import RowInt8Linear
+from eagle_fsd.target_quant import RowQuantLinear
 from eagle_fsd.tune.measure import DraftSetup
 from eagle_fsd.tune.replay import target_hidden
 
@@ -34,7 +34,7 @@ def main() -> None:
                                               return_tensors="pt", return_dict=True)["input_ids"]
     context = model.naive_generate(ids, max_new_tokens=160, return_dict=True).sequences[0]
     setup = DraftSetup(model.drafter, context, target_hidden(model, context), room=40)
-    layers = [m for m in model.drafter.module.modules() if isinstance(m, RowInt8Linear)]
+    layers = [m for m in model.drafter.module.modules() if isinstance(m, RowQuantLinear)]
     products = {id(m.product): m.product for m in layers + [model.drafter.draft_head.quant]}.values()
     ops = {"level of 1 node": lambda: setup.level(1), "level of 2 nodes": lambda: setup.level(2),
            "catch-up over 3 tokens": setup.extend}

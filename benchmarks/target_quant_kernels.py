@@ -1,5 +1,6 @@
 """Kernel probe behind eagle_fsd.target_quant: ms of Qwen2.5-1.5B's MLP up-projection (1536 -> 8960) over 1-32 rows,
-weights rotating over 128 MB of copies (read from memory, as in decoding), median of 5 rounds, 2 threads.
+weights rotating over 1 GB of fp32 copies (so every kind is read from memory, as in decoding, even past a 105 MB L3),
+median of 5 rounds, 2 threads.
 
     python benchmarks/target_quant_kernels.py
 """
@@ -10,7 +11,8 @@ import torch
 
 from eagle_fsd.prepack import pack_weight, packed_linear
 from eagle_fsd.quant import INT4_GROUP, QuantLinear
-from eagle_fsd.target_quant import RowInt8Linear
+from eagle_fsd.kernels.int4_rows import int4_rows_available
+from eagle_fsd.target_quant import Int4Product, RowQuantLinear
 
 HIDDEN, INTERMEDIATE = 1536, 8960
 
@@ -26,14 +28,16 @@ def kernels(weights):
             x, layer.q, INT4_GROUP, layer.scale), torch.bfloat16),  # without QuantLinear's 4-row fallback
         "int8 weight-only": (int8, lambda x, layer: torch.ops.aten._weight_int8pack_mm(x, layer.q, layer.scale),
                              torch.bfloat16),
-        "int8 x int8 (RowInt8Linear)": ([RowInt8Linear.from_weight(w, None) for w in weights],
+        "int8 x int8 (RowQuantLinear)": ([RowQuantLinear.from_weight(w, None) for w in weights],
                                         lambda x, layer: layer(x), torch.float32),
-    }
+    } | ({"int4 x int8 (int4_rows)": ([Int4Product(w, None) for w in weights], lambda x, product: product(x),
+                                      torch.float32)} if int4_rows_available() else {})
 
 
 def main():
     torch.set_num_threads(2)
-    copies = max(1, math.ceil(128 * 2**20 / (HIDDEN * INTERMEDIATE * 4)))
+    torch.set_grad_enabled(False)
+    copies = max(1, math.ceil(1024 * 2**20 / (HIDDEN * INTERMEDIATE * 4)))
     weights = [torch.randn(INTERMEDIATE, HIDDEN) * 0.02 for _ in range(copies)]
     table = kernels(weights)
     print("rows  " + "  ".join(f"{name:>28}" for name in table))

@@ -45,7 +45,7 @@ def run_main(argv=None) -> int:
     from eagle_fsd.prompts import PromptFormat
     from eagle_fsd.model import exactness, load_model
     from eagle_fsd.quant import quant_bits
-    from eagle_fsd.target_quant import is_target_quantized
+    from eagle_fsd.target_quant import is_target_quantized, weights_label
 
     settings, args = parse_run_args(argv)
     model = load_model(settings)
@@ -57,7 +57,8 @@ def run_main(argv=None) -> int:
 
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
     if is_target_quantized(model.base_model):
-        print("target linear layers int8 x int8, 8-bit activations per row (--target-quant off: float weights)")
+        print(f"target linear layers {weights_label(model.base_model)}, 8-bit activations per row "
+              "(--target-quant off: float weights)")
     if is_prepacked(model.base_model):
         print(f"{dtype_name(model.base_model.dtype)} linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
     draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0

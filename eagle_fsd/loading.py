@@ -20,7 +20,7 @@ from eagle_fsd.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3_head
 from eagle_fsd.prepack import prepack_linears
 from eagle_fsd.quant import quantize_linears
 from eagle_fsd.settings import AUTO, Settings
-from eagle_fsd.target_quant import activation_bits, is_target_quantized, quantize_target
+from eagle_fsd.target_quant import activation_bits, int4_share, is_target_quantized, quantize_target
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
                             resolve_target_quant, target_quant_choice)
@@ -45,8 +45,9 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
     draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
     measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless.
-    target_quant "auto": a preset's target on CPU, loaded with dtype "auto", runs its linear layers int8 x int8
-    (eagle_fsd.target_quant) where that measures faster; "int8" / "off" force it. Decoding is then lossless against
+    target_quant "auto": a preset's target on CPU, loaded with dtype "auto", runs its linear layers int8 x int8,
+    or int4 x int8 where its weights are 4-bit already (eagle_fsd.target_quant), where that measures faster;
+    "int4" / "int8" / "off" force it. Decoding is then lossless against
     that quantized model, and the drafter is built for it (fp32 activations)."""
     check_backend(attention)
     resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
@@ -55,8 +56,9 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     path = presets.resolve_model(base_model)
     kind, source = drafter_source(base_model, ea_model_path, draft_model)  # a bad head fails before the target loads
     target, tokenizer = load_target(path, dtype, device_map, prepack, kwargs)
-    if resolve_target_quant(target_quant, target, base_model in presets.PRESETS, dtype != "auto", prepack):
-        quantize_target(target, activation_bits(cpu_flags()))
+    target_bits = resolve_target_quant(target_quant, target, base_model in presets.PRESETS, dtype != "auto", prepack)
+    if target_bits:
+        quantize_target(target, activation_bits(cpu_flags()), four_bit=target_bits == 4)
     drafter = build_drafter(kind, source, target, tokenizer, attention)
     prepare_weights(target, drafter, prepack, draft_quant)
     if drafter is None or not auto:
@@ -93,10 +95,11 @@ def load_target(path: str, dtype, device_map, prepack, hf_kwargs: dict):
 
 
 def prepare_weights(target, drafter, prepack, draft_quant) -> None:
-    """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen. With an
-    int8 target, an LM drafter on draft_quant "auto" runs the same int8 x int8 layers (its inputs are fp32 then)."""
+    """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen. With a
+    quantized target, an LM drafter on draft_quant "auto" runs the same kernels (int4 for its 4-bit weights if the
+    target's run int4, else int8; its inputs are fp32 then)."""
     if is_target_quantized(target) and draft_quant == "auto" and drafter is not None and drafter.auto_quant:
-        quantize_target(drafter.module, activation_bits(cpu_flags()), exact=False)
+        quantize_target(drafter.module, activation_bits(cpu_flags()), exact=False, four_bit=int4_share(target) > 0)
         return
     if resolve_prepack(prepack, target):
         prepack_linears(target)

@@ -37,7 +37,8 @@ class ModelSettings:
     threads: torch CPU threads (None: torch's choice); device: from_pretrained's device_map (None: its default);
     prepack: "auto", "on" or "off" (eagle_fsd.prepack: CPU fp32 / bf16 linear weights packed once for oneDNN);
     draft_quant: "auto", "int4", "int8" or "off" (eagle_fsd.quant: the drafter's weights rounded, CPU);
-    target_quant: "auto", "int8" or "off" (eagle_fsd.target_quant: the target's linear layers int8 x int8, CPU)."""
+    target_quant: "auto", "int4", "int8" or "off" (eagle_fsd.target_quant: the target's linear layers int8 x int8, or
+        int4 x int8 where the weights are 4-bit already, CPU)."""
 
     model: str = DEFAULT_MODEL
     drafter: str | None = None
@@ -174,10 +175,11 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", choices=("auto", "int4", "int8", "off"), default="auto",
                    help="CPU: the drafter's weights in int4 / int8 (verification keeps the target's: lossless); "
                         "auto: int4 for an LM drafter where it measures faster")
-    p.add_argument("--target-quant", choices=("auto", "int8", "off"), default="auto",
-                   help="CPU: the target's linear layers in int8 with 8-bit activations per row; decoding is then "
-                        "lossless against that model. auto: for a preset loaded with --dtype auto, where it "
-                        "measures faster")
+    p.add_argument("--target-quant", choices=("auto", "int4", "int8", "off"), default="auto",
+                   help="CPU: the target's linear layers in int8 (int4: 4-bit where the preset's weights are "
+                        "4-bit already, AVX-512 VNNI) with 8-bit activations per row; decoding is then lossless "
+                        "against that model. auto: for a preset loaded with --dtype auto, the kernel that measures "
+                        "fastest")
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""The target's linear layers in int8, activations rounded to 8 bits per row (CPU).
+"""The target's linear layers in int8 (or int4 where they are 4-bit already), activations rounded to 8 bits per row
+(CPU).
 
 Decoding a model of a billion or more parameters on a few cores is bound by the bytes of weight read per forward,
 and verifying a tree reads them once for all its tokens. So the target's speed is its weight bytes, as long as the
@@ -25,6 +26,19 @@ fp32), whose result does not depend on how many queries and keys a forward holds
 not against the float weights. This rounds activations per row; llama.cpp rounds them per block of 256 for its
 4-bit dot products.
 
+Where the weights are 4-bit already (a GGUF's Q4_K blocks, dequantized: every group of 32 inputs holds at most 16
+values), `four_bit` runs them through eagle_fsd.kernels.int4_rows instead: W_oj = s_og q_oj + m_og per group g of 32
+inputs (q in 0..15, s and m fp16, which re-rounding such a weight keeps as it was up to their fp16 rounding), the
+same 8-bit rows, integer sums per group and a fixed-order fp32 sum over groups, so rows stay independent. Half the
+bytes of int8: on 2 threads of an Intel Xeon with AMX (AVX-512 VNNI used), same shape and probe, weights rotated past
+a 105 MB L3:
+
+    int8 x int8 (FBGEMM)                          1.10 / 1.15 / 1.30 / 1.57
+    int4 x int8 (int4_rows)                       0.59 / 0.58 / 0.90 / 1.72   (VNNI products grow with rows)
+
+Layers whose weights are not 4-bit (Q4_K_M keeps some at 6 bits, and the embedding) stay int8 as above; the 4-bit
+ones keep the GGUF's values up to the fp16 rounding of their group scales and minima.
+
 A drafter needs no such exactness (its rounding only moves acceptance), so its layers round each call's activations
 with one scale, min and max of the whole call (FBGEMM's dynamic linear): one operator instead of six, which on a
 0.5B drafter's few-row forwards is a measurable share of the step.
@@ -37,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_fsd.kernels.int4_rows import fits_int4, int4_rows_available, int4_rows_linear, pack_int4, quantize_int4
 from eagle_fsd.quant import quant_bits
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -97,18 +112,46 @@ class Int8Product:
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class SharedInputProduct(Int8Product):
+class Int4Product:
+    """x -> x W^T + b in fp32 through W rounded to 4 bits per group of 32 inputs (scale and minimum in fp16) and each
+    row of x rounded to 8 bits with its own scale (eagle_fsd.kernels.int4_rows). For weights that are 4-bit already
+    (a GGUF's Q4 blocks, dequantized: `fits_int4`); rows independent as in Int8Product."""
+
+    activation_bits, per_row = 8, True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_int4(*quantize_int4(weight))
+        self.bias = None if bias is None else bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise RuntimeError("int4 layers run on the CPU only; quantize the target after moving it")
+        return int4_rows_linear(x, self.packed, self.out_features, self.bias)
+
+
+def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8, per_row: bool = True,
+                 four_bit: bool = False):
+    """An Int4Product where `four_bit` asks for one and the weight is 4-bit already (rows rounded one by one
+    whatever `per_row` says: in C++ that costs nothing; VNNI), else an Int8Product."""
+    if four_bit and activation_bits == 8 and int4_rows_available() and fits_int4(weight):
+        return Int4Product(weight, bias)
+    return Int8Product(weight, bias, activation_bits, per_row)
+
+
+class SharedInputProduct:
     """One product over the stacked weights of sibling layers that read the same input (q/k/v, gate/up), computed
     once per input tensor: fewer, larger calls, each row's result unchanged (its scale and sums are its own)."""
 
-    def __init__(self, weight, bias, activation_bits: int = 8, readers: int = 1, per_row: bool = True):
-        super().__init__(weight, bias, activation_bits, per_row)
+    def __init__(self, product, readers: int):
+        self.product = product
+        self.activation_bits, self.per_row = product.activation_bits, product.per_row
         self.readers = readers  # sibling layers reading each product: once all have, it is dropped (memory)
         self.last_input, self.last_version, self.last_output, self.unread = None, -1, None, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x is not self.last_input or x._version != self.last_version:  # another tensor, or changed in place
-            self.last_input, self.last_version, self.last_output = x, x._version, super().__call__(x)
+            self.last_input, self.last_version, self.last_output = x, x._version, self.product(x)
             self.unread = self.readers
         output = self.last_output
         self.unread -= 1
@@ -117,29 +160,31 @@ class SharedInputProduct(Int8Product):
         return output
 
 
-class RowInt8Linear(nn.Linear):
-    """An nn.Linear computing y = x W^T + b through an Int8Product (its own, or columns of one shared with its
-    siblings), in fp32 whatever the weight's dtype, returned in the input's dtype. Shares `weight` and `bias` with
-    the layer it replaces (state_dict, tied embeddings and a draft vocabulary's slices unchanged); `use_packed` False
-    runs F.linear on them instead, as `eagle_fsd.prepack.unpacked` asks. Inference only, CPU only."""
+class RowQuantLinear(nn.Linear):
+    """An nn.Linear computing y = x W^T + b through an Int8Product or Int4Product (its own, or columns of one shared
+    with its siblings), in fp32 whatever the weight's dtype, returned in the input's dtype. Shares `weight` and `bias`
+    with the layer it replaces (state_dict, tied embeddings and a draft vocabulary's slices unchanged); `use_packed`
+    False runs F.linear on them instead, as `eagle_fsd.prepack.unpacked` asks. Inference only, CPU only."""
 
     use_packed: bool = True
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_bits: int = 8, per_row: bool = True) -> RowInt8Linear:
-        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row)  # shared, not copied
+    def from_linear(cls, linear: nn.Linear, activation_bits: int = 8, per_row: bool = True,
+                    four_bit: bool = False) -> RowQuantLinear:
+        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row,
+                               four_bit=four_bit)  # shared, not copied
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
-                    product: Int8Product | None = None, columns: slice | None = None,
-                    per_row: bool = True) -> RowInt8Linear:
+                    product=None, columns: slice | None = None, per_row: bool = True,
+                    four_bit: bool = False) -> RowQuantLinear:
         """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.shape
         layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         layer.bias = bias
-        layer.product = product or Int8Product(weight, bias, activation_bits, per_row)
+        layer.product = product or make_product(weight, bias, activation_bits, per_row, four_bit)
         layer.columns = columns
         layer.activation_bits = layer.product.activation_bits
         return layer
@@ -154,47 +199,57 @@ class RowInt8Linear(nn.Linear):
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module reading one input
 
 
-def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int, per_row: bool = True) -> int:
-    """The linear layers `names` of `parent`, if all there with one input width, become RowInt8Linear columns of one
-    SharedInputProduct; returns how many."""
+def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int, per_row: bool = True,
+                  four_bit: bool = False) -> int:
+    """The linear layers `names` of `parent`, if all there with one input width, become RowQuantLinear columns of
+    SharedInputProducts: one over those whose weights are 4-bit already (with `four_bit`), one over the rest;
+    returns how many."""
     layers = [getattr(parent, name, None) for name in names]
-    if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowInt8Linear) for layer in layers) \
+    if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowQuantLinear) for layer in layers) \
             or len({layer.in_features for layer in layers}) != 1:
         return 0
-    biases = None
-    if any(layer.bias is not None for layer in layers):
-        biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
-                            else torch.zeros(layer.out_features) for layer in layers])
-    product = SharedInputProduct(torch.cat([layer.weight.detach() for layer in layers]), biases, activation_bits,
-                                 readers=len(layers), per_row=per_row)
-    start = 0
-    for name, layer in zip(names, layers):
-        columns = slice(start, start + layer.out_features)
-        setattr(parent, name, RowInt8Linear.from_weight(layer.weight, layer.bias, product=product, columns=columns))
-        start += layer.out_features
+    use_int4 = four_bit and activation_bits == 8 and int4_rows_available()
+    kinds = [use_int4 and fits_int4(layer.weight) for layer in layers]
+    for kind in set(kinds):
+        members = [(name, layer) for name, layer, k in zip(names, layers, kinds) if k == kind]
+        biases = None
+        if any(layer.bias is not None for _, layer in members):
+            biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
+                                else torch.zeros(layer.out_features) for _, layer in members])
+        weight = torch.cat([layer.weight.detach() for _, layer in members])
+        product = SharedInputProduct(Int4Product(weight, biases) if kind else
+                                     Int8Product(weight, biases, activation_bits, per_row), readers=len(members))
+        start = 0
+        for name, layer in members:
+            columns = slice(start, start + layer.out_features)
+            setattr(parent, name, RowQuantLinear.from_weight(layer.weight, layer.bias, product=product,
+                                                             columns=columns))
+            start += layer.out_features
     return len(layers)
 
 
-def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = True) -> int:
-    """Every linear layer of `model` (plain or prepacked) becomes a RowInt8Linear, and every other parameter fp32,
-    so that the activations between the int8 products stay fp32; returns how many layers. The linear weights keep
-    their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact: attention
-    in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only moves
-    acceptance, goes without both."""
+def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = True, four_bit: bool = False) -> int:
+    """Every linear layer of `model` (plain or prepacked) becomes a RowQuantLinear, and every other parameter fp32,
+    so that the activations between the quantized products stay fp32; returns how many layers. The linear weights
+    keep their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact:
+    attention in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only
+    moves acceptance, goes without both. four_bit: layers whose weights are 4-bit already run the int4 kernel (where
+    this CPU has it: AVX-512 VNNI), the others int8."""
     if not row_int8_supported(next(model.parameters()).device):
         raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
                          f"{torch.__version__} or device lacks it. Use target_quant 'off'")
+    four_bit = four_bit and int4_rows_available()
     swapped = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            swapped += share_product(parent, names, activation_bits, exact)
+            swapped += share_product(parent, names, activation_bits, exact, four_bit)
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not isinstance(child, RowInt8Linear):
-                setattr(parent, name, RowInt8Linear.from_linear(child, activation_bits, per_row=exact))
+            if isinstance(child, nn.Linear) and not isinstance(child, RowQuantLinear):
+                setattr(parent, name, RowQuantLinear.from_linear(child, activation_bits, exact, four_bit))
                 swapped += 1
     setattr(model.config, FP64_ATTENTION, exact)  # row-exact attention (eagle_fsd.attention)
     for module in model.modules():
-        if isinstance(module, RowInt8Linear):
+        if isinstance(module, RowQuantLinear):
             continue
         for param in module.parameters(recurse=False):
             if param.is_floating_point() and param.dtype != torch.float32:
@@ -202,8 +257,16 @@ def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = Tr
     return swapped
 
 
+def int4_share(model: nn.Module) -> float:
+    """The fraction of a quantized model's linear weights that run 4-bit (the rest int8); 0 for any other model."""
+    products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}.values()
+    inner = [getattr(p, "product", p) for p in products]
+    total = sum(p.out_features * p.in_features for p in inner)
+    return sum(p.out_features * p.in_features for p in inner if isinstance(p, Int4Product)) / total if total else 0.0
+
+
 def is_target_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, RowInt8Linear) for m in model.modules())
+    return any(isinstance(m, RowQuantLinear) for m in model.modules())
 
 
 def weights_label(model: nn.Module | None) -> str:
@@ -212,6 +275,7 @@ def weights_label(model: nn.Module | None) -> str:
     if model is None:
         return "none"
     if is_target_quantized(model):
-        return "int8 x int8"
+        share = int4_share(model)
+        return f"int4 x int8 ({share:.0%} of weights), int8 x int8" if share else "int8 x int8"
     bits = quant_bits(model)
     return f"int{bits}" if bits else "as loaded"

@@ -10,7 +10,7 @@ from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.model import EaFsdModel, exactness
 from eagle_fsd.prepack import unpacked
 from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
-from eagle_fsd.target_quant import (RowInt8Linear, activation_bits, is_target_quantized, quantize_target,
+from eagle_fsd.target_quant import (RowQuantLinear, activation_bits, is_target_quantized, quantize_target,
                                     row_int8_supported)
 from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.tune import resolve_target_quant
@@ -49,7 +49,7 @@ def test_row_int8_within_rounding_bound_of_float64(bits, bias, rows):
     linear = random_linear(96, 160, bias, g)
     x = torch.randn(rows, 160, generator=g)
     x[:, 7] *= 40  # an outlier channel, as LLM activations have
-    layer = RowInt8Linear.from_linear(linear, bits)
+    layer = RowQuantLinear.from_linear(linear, bits)
     assert layer.weight is linear.weight and layer.bias is linear.bias
     want = F.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
     got = layer(x)
@@ -66,7 +66,7 @@ def test_drafter_layers_round_each_call_with_one_scale(bits, bias):
     gives, and so a row's result depends on the rows beside it (which a target's layer must never do)."""
     g = torch.Generator().manual_seed(bits + 2 * bias)
     linear = random_linear(96, 160, bias, g)
-    layer = RowInt8Linear.from_linear(linear, bits, per_row=False)
+    layer = RowQuantLinear.from_linear(linear, bits, per_row=False)
     x = torch.randn(6, 160, generator=g) * torch.tensor([1.0, 1, 1, 1, 1, 30])[:, None]
     x[:, 7] *= 40
     want = F.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
@@ -80,7 +80,7 @@ def test_drafter_layers_round_each_call_with_one_scale(bits, bias):
 def test_quantized_drafter_rounds_per_call_and_attends_in_fp32():
     model = tiny_model("qwen2", seed=5)
     quantize_target(model, 8, exact=False)
-    products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowInt8Linear)}
+    products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}
     assert products and not any(p.per_row for p in products.values())
     assert getattr(model.config, "eagle_fsd_fp64_attention") is False
     drafter = LMDrafter(model, model.config.vocab_size)
@@ -88,7 +88,7 @@ def test_quantized_drafter_rounds_per_call_and_attends_in_fp32():
     assert drafter.draft_head.quant.product.per_row is False
     target = tiny_model("qwen2", seed=5)
     quantize_target(target, 8)
-    assert all(m.product.per_row for m in target.modules() if isinstance(m, RowInt8Linear))
+    assert all(m.product.per_row for m in target.modules() if isinstance(m, RowQuantLinear))
     assert getattr(target.config, "eagle_fsd_fp64_attention") is True
 
 
@@ -96,7 +96,7 @@ def test_each_row_is_independent_of_its_batch():
     """A row's output is bit for bit the same alone and among others: a tree's tokens get what plain decoding
     steps would give them."""
     g = torch.Generator().manual_seed(3)
-    layer = RowInt8Linear.from_linear(random_linear(200, 128, True, g))
+    layer = RowQuantLinear.from_linear(random_linear(200, 128, True, g))
     x = torch.randn(17, 128, generator=g) * torch.logspace(-2, 2, 17)[:, None]  # rows of very different scales
     together = layer(x)
     for n in (1, 2, 4, 5, 8, 16):
@@ -110,7 +110,7 @@ def test_bf16_weight_and_activations():
     """bf16 weights are read as they are; bf16 activations come back bf16; unpacked runs F.linear on the weight."""
     g = torch.Generator().manual_seed(5)
     linear = random_linear(64, 96, True, g, torch.bfloat16)
-    layer = RowInt8Linear.from_linear(linear)
+    layer = RowQuantLinear.from_linear(linear)
     x = torch.randn(3, 96, generator=g)
     want = F.linear(x.double(), linear.weight.double(), linear.bias.double())
     assert (layer(x).double() - want).abs().max() <= rounding_bound(x, linear.weight.float(), 127).max()
@@ -123,10 +123,10 @@ def test_quantize_target_swaps_every_linear_and_runs_fp32():
     model = tiny_model("qwen2", seed=2, tie_word_embeddings=True).to(torch.bfloat16)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert quantize_target(model) == linears and is_target_quantized(model)
-    assert all(isinstance(m, RowInt8Linear) for m in model.modules() if isinstance(m, nn.Linear))
+    assert all(isinstance(m, RowQuantLinear) for m in model.modules() if isinstance(m, nn.Linear))
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
     assert model.get_input_embeddings().weight.dtype == torch.float32
-    assert all(p.dtype == torch.float32 for m in model.modules() if not isinstance(m, RowInt8Linear)
+    assert all(p.dtype == torch.float32 for m in model.modules() if not isinstance(m, RowQuantLinear)
                for p in m.parameters(recurse=False))
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # kept for unpacked runs only
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -166,34 +166,44 @@ def test_draft_vocabulary_of_a_quantized_head_scores_its_rows():
     full = drafter.draft_head(hidden)
     ids = torch.arange(3, 1000, 7)
     drafter.draft_head.set_draft_vocab(ids)
-    assert isinstance(drafter.draft_head.quant, RowInt8Linear)
+    assert isinstance(drafter.draft_head.quant, RowQuantLinear)
     assert torch.equal(drafter.draft_head(hidden), full[:, ids])
 
 
 def test_resolve_target_quant_rules(monkeypatch):
     target = tiny_model("llama", seed=0)
-    assert resolve_target_quant("off", target, True, False) is False
-    assert resolve_target_quant("int8", target, False, True) is True  # forced: any model, any dtype
-    for spelling in ("on", "int4", True):
-        with pytest.raises(ValueError, match=f"target_quant={spelling!r}: use 'auto', 'int8' or 'off'"):
+    assert resolve_target_quant("off", target, True, False) == 0
+    assert resolve_target_quant("int8", target, False, True) == 8  # forced: any model, any dtype
+    for spelling in ("on", "int2", True):
+        with pytest.raises(ValueError, match=f"target_quant={spelling!r}: use 'auto', 'int4', 'int8' or 'off'"):
             resolve_target_quant(spelling, target, True, False)
     calls = []
 
-    def timing(int8_ms):
+    def timing(int8_ms, int4_ms=20.0):
         def mlp_kernel_ms(hidden, intermediate, kinds, rows=(1, 4, 8)):
             calls.append(kinds)
-            return {kind: (int8_ms if kind == "int8-rows" else 10.0) for kind in kinds}
+            return {kind: {"int8-rows": int8_ms, "int4-rows": int4_ms}.get(kind, 10.0) for kind in kinds}
         return mlp_kernel_ms
-    tune_dtype.int8_measures_faster.cache_clear()
-    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0))  # int8 faster than every float kernel
-    assert resolve_target_quant("auto", target, True, False) is True
-    assert "int8-rows" in calls[-1] and len(calls[-1]) >= 2
-    assert resolve_target_quant("auto", target, False, False) is False  # a hub id or directory: float weights
-    assert resolve_target_quant("auto", target, True, True) is False  # a dtype named: that precision
-    tune_dtype.int8_measures_faster.cache_clear()
-    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(12.0))  # int8 slower: the float kernels stay
-    assert resolve_target_quant("auto", target, True, False) is False
-    tune_dtype.int8_measures_faster.cache_clear()
+    monkeypatch.setattr(tune_dtype, "int4_rows_available", lambda: True)
+    tune_dtype.fastest_target_bits.cache_clear()
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0))  # int8 faster than every float kernel and int4
+    assert resolve_target_quant("auto", target, True, False) == 8
+    assert {"int8-rows", "int4-rows"} <= set(calls[-1]) and len(calls[-1]) >= 3
+    assert resolve_target_quant("auto", target, False, False) == 0  # a hub id or directory: float weights
+    assert resolve_target_quant("auto", target, True, True) == 0  # a dtype named: that precision
+    tune_dtype.fastest_target_bits.cache_clear()
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0, 2.0))  # int4 fastest
+    assert resolve_target_quant("auto", target, True, False) == 4
+    tune_dtype.fastest_target_bits.cache_clear()
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(12.0))  # both slower: the float kernels stay
+    assert resolve_target_quant("auto", target, True, False) == 0
+    tune_dtype.fastest_target_bits.cache_clear()
+    monkeypatch.setattr(tune_dtype, "int4_rows_available", lambda: False)  # no VNNI / compiler: int4 not timed
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0, 2.0))
+    assert resolve_target_quant("auto", target, True, False) == 8 and "int4-rows" not in calls[-1]
+    with pytest.raises(ValueError, match="target_quant int4 needs a CPU with AVX-512 VNNI"):
+        resolve_target_quant("int4", target, True, False)
+    tune_dtype.fastest_target_bits.cache_clear()
 
 
 def test_activation_bits_follow_vnni():
@@ -208,10 +218,11 @@ def test_settings_and_exactness_name_the_quantized_model():
     add_fsd_args(p)
     assert parse_settings(p, p.parse_args(["--target-quant", "off"])).model.target_quant == "off"
     assert parse_settings(p, p.parse_args([])).model.target_quant == "auto"
+    assert parse_settings(p, p.parse_args(["--target-quant", "int4"])).model.target_quant == "int4"
     with pytest.raises(SystemExit):
-        p.parse_args(["--target-quant", "int4"])
+        p.parse_args(["--target-quant", "int2"])
     text = exactness(torch.float32, target_quantized=True)
-    assert "int8 target" in text and "--target-quant off" in text
+    assert "quantized target" in text and "int4 where they are 4-bit" in text and "--target-quant off" in text
 
 
 def test_smollm2_with_its_head_on_an_int8_target():
@@ -228,13 +239,13 @@ def test_smollm2_with_its_head_on_an_int8_target():
 
 def test_siblings_share_one_product_with_unchanged_results():
     """q/k/v (with Qwen2's biases) and gate/up become columns of one product each, called once per input; each
-    layer's output is bit for bit its own RowInt8Linear's, and another input (or one changed in place) is
+    layer's output is bit for bit its own RowQuantLinear's, and another input (or one changed in place) is
     recomputed, not served from the last call."""
     from eagle_fsd.target_quant import SharedInputProduct, share_product
     model = tiny_model("qwen2", seed=7)
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    alone = {name: RowInt8Linear.from_linear(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj")}
-    alone |= {name: RowInt8Linear.from_linear(getattr(mlp, name)) for name in ("gate_proj", "up_proj")}
+    alone = {name: RowQuantLinear.from_linear(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj")}
+    alone |= {name: RowQuantLinear.from_linear(getattr(mlp, name)) for name in ("gate_proj", "up_proj")}
     assert share_product(attention, ("q_proj", "k_proj", "v_proj"), 8) == 3
     assert share_product(mlp, ("gate_proj", "up_proj"), 8) == 2
     assert share_product(mlp, ("gate_proj", "up_proj"), 8) == 0  # already shared
@@ -244,7 +255,7 @@ def test_siblings_share_one_product_with_unchanged_results():
         x = torch.randn(1, rows, 64, generator=g)
         for parent in (attention, mlp):
             for name, layer in alone.items():
-                if hasattr(parent, name) and isinstance(getattr(parent, name), RowInt8Linear):
+                if hasattr(parent, name) and isinstance(getattr(parent, name), RowQuantLinear):
                     assert torch.equal(getattr(parent, name)(x), layer(x)), name
     x = torch.randn(2, 64, generator=g)
     attention.q_proj(x)

@@ -1,8 +1,8 @@
 """dtype "auto": bf16 on CUDA; on CPU bf16 only where it is native and measures faster on the model's own shape.
 prepack "auto": oneDNN-packed linear weights (fp32, or bf16 where oneDNN supports it) where they measure faster.
 draft_quant "auto": an LM drafter on CPU drafts with int4 weights where that kernel measures faster (eagle_fsd.quant).
-target_quant "auto": a preset's target (a GGUF model, already rounded) runs int8 x int8 on CPU where that measures
-faster (eagle_fsd.target_quant)."""
+target_quant "auto": a preset's target (a GGUF model, already rounded) runs int8 x int8, or int4 x int8 where its
+weights are 4-bit, on CPU where that measures faster (eagle_fsd.target_quant)."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,8 @@ import torch
 
 from eagle_fsd.prepack import is_prepacked, pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
-from eagle_fsd.target_quant import RowInt8Linear, row_int8_supported
+from eagle_fsd.kernels.int4_rows import int4_rows_available
+from eagle_fsd.target_quant import Int4Product, RowQuantLinear, row_int8_supported
 from eagle_fsd.tune.measure import timed_rounds
 
 
@@ -37,7 +38,7 @@ def native_bf16(flags: set[str] | None = None) -> bool:
 def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8)) -> dict[str, float]:
     """Time of the MLP up-projection (hidden -> intermediate) over `rows` rows together (plain steps and small
     trees) for each kind of kernel ("fp32", "bf16", "fp32-packed", "bf16-packed"; "int4" / "int4-fp32": int4 weights
-    with bf16 / fp32 activations; "int8-rows": eagle_fsd.target_quant), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so
+    with bf16 / fp32 activations; "int8-rows" / "int4-rows": eagle_fsd.target_quant), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so
     they come from memory, as in a decode step, not from cache."""
     copies = max(1, math.ceil(128 * 2**20 / (hidden * intermediate * 4)))
     weights32 = [torch.randn(intermediate, hidden) for _ in range(copies)]
@@ -53,17 +54,20 @@ def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(
     if "int4-fp32" in kinds:
         weights["int4-fp32"] = [QuantLinear.from_weight(w, None, 4) for w in weights32]
     if "int8-rows" in kinds:
-        weights["int8-rows"] = [RowInt8Linear.from_linear(torch.nn.Linear(hidden, intermediate, bias=False))
+        weights["int8-rows"] = [RowQuantLinear.from_linear(torch.nn.Linear(hidden, intermediate, bias=False))
                                 for _ in weights32]
+    if "int4-rows" in kinds:  # 4-bit weights: the kernel packs what it is given, rounded to 4 bits
+        weights["int4-rows"] = [Int4Product(torch.randn(intermediate, hidden), None) for _ in weights32]
     kernels = {"fp32": torch.nn.functional.linear, "bf16": torch.nn.functional.linear,
                "bf16-packed": lambda x, w: packed_linear(x, w, None),
                "fp32-packed": lambda x, w: packed_linear(x, w, None), "int4": lambda x, layer: layer(x),
-               "int4-fp32": lambda x, layer: layer(x), "int8-rows": lambda x, layer: layer(x)}
+               "int4-fp32": lambda x, layer: layer(x), "int8-rows": lambda x, layer: layer(x),
+               "int4-rows": lambda x, product: product(x)}
     fns = {}
     for n in rows:
         x32 = torch.randn(n, hidden)
         inputs = {"fp32": x32, "bf16": x32.bfloat16(), "bf16-packed": x32.bfloat16(), "fp32-packed": x32,
-                  "int4": x32.bfloat16(), "int4-fp32": x32, "int8-rows": x32}
+                  "int4": x32.bfloat16(), "int4-fp32": x32, "int8-rows": x32, "int4-rows": x32}
         for kind in kinds:
             fns[(kind, n)] = lambda f=kernels[kind], x=inputs[kind], ws=weights[kind]: [f(x, w) for w in ws]
     timed = timed_rounds(fns, rounds=9)
@@ -174,37 +178,43 @@ def int4_measures_faster(hidden: int, intermediate: int, current: str) -> bool:
     return ms[int4] < ms[current]
 
 
-TARGET_QUANT = ("auto", "int8", "off")
+TARGET_QUANT = ("auto", "int4", "int8", "off")
 
 
 def target_quant_choice(target_quant) -> str:
-    """target_quant checked: "auto", "int8" or "off"; anything else is an error."""
+    """target_quant checked: "auto", "int4", "int8" or "off"; anything else is an error."""
     if target_quant not in TARGET_QUANT:
-        raise ValueError(f"target_quant={target_quant!r}: use 'auto', 'int8' or 'off'")
+        raise ValueError(f"target_quant={target_quant!r}: use 'auto', 'int4', 'int8' or 'off'")
     return target_quant
 
 
-def resolve_target_quant(target_quant, target, preset: bool, dtype_given: bool, prepack="auto") -> bool:
-    """Whether the target's linear layers run int8 x int8 (eagle_fsd.target_quant). "auto": on a CPU with the
-    kernel, for a preset target (its weights are a GGUF's, already rounded to 4-6 bits) loaded with dtype "auto",
-    where the kernel measures faster than every float kernel the target may run under `prepack` on its MLP shape
-    over 1 to 16 rows (plain steps and trees); a model given by hub id or directory, or a dtype named, keeps its
-    float weights. "int8" forces it."""
+def resolve_target_quant(target_quant, target, preset: bool, dtype_given: bool, prepack="auto") -> int:
+    """Bits of the target's quantized linear layers (eagle_fsd.target_quant): 0 (float weights), 8 (int8 x int8) or
+    4 (int4 x int8 for the weights that are 4-bit already, int8 x int8 for the rest). "auto": on a CPU with the
+    kernels, for a preset target (its weights are a GGUF's, already rounded to 4-6 bits) loaded with dtype "auto",
+    the kernel that measures fastest on its MLP shape over 1 to 16 rows (plain steps and trees) among the float
+    kernels the target may run under `prepack`, int8 and int4; a model given by hub id or directory, or a dtype
+    named, keeps its float weights. "int8" / "int4" force it."""
     if target_quant_choice(target_quant) == "off":
-        return False
+        return 0
     supported = row_int8_supported(target.device)
-    if target_quant == "int8":
+    if target_quant in ("int8", "int4"):
         if not supported:
-            raise ValueError(f"target_quant int8 needs a target on the CPU and PyTorch's FBGEMM int8 linear; this "
-                             f"target is on {target.device} (PyTorch {torch.__version__}). Use 'auto' or 'off'")
-        return True
+            raise ValueError(f"target_quant {target_quant} needs a target on the CPU and PyTorch's FBGEMM int8 linear; "
+                             f"this target is on {target.device} (PyTorch {torch.__version__}). Use 'auto' or 'off'")
+        if target_quant == "int4" and not int4_rows_available():
+            raise ValueError("target_quant int4 needs a CPU with AVX-512 VNNI and a C++ compiler with ninja to build "
+                             "eagle_fsd.kernels.int4_rows on first use; use 'int8' or 'auto'")
+        return 4 if target_quant == "int4" else 8
     if not (supported and preset and not dtype_given):
-        return False
-    return int8_measures_faster(*mlp_shape(target.config), candidate_kinds(target.dtype, prepack))
+        return 0
+    return fastest_target_bits(*mlp_shape(target.config), candidate_kinds(target.dtype, prepack))
 
 
 @functools.lru_cache(maxsize=None)
-def int8_measures_faster(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> bool:
-    """int8 x int8 (eagle_fsd.target_quant) against each float kernel kind of `kinds` on the MLP shape."""
-    ms = mlp_kernel_ms(hidden, intermediate, (*kinds, "int8-rows"), rows=(1, 4, 8, 16))
-    return min(ms, key=ms.__getitem__) == "int8-rows"
+def fastest_target_bits(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> int:
+    """8 or 4 where int8 x int8 or int4 x int8 (eagle_fsd.target_quant) is the fastest kernel on the MLP shape
+    against each float kernel kind of `kinds`, else 0."""
+    quantized = ("int8-rows", "int4-rows") if int4_rows_available() else ("int8-rows",)
+    ms = mlp_kernel_ms(hidden, intermediate, (*kinds, *quantized), rows=(1, 4, 8, 16))
+    return {"int8-rows": 8, "int4-rows": 4}.get(min(ms, key=ms.__getitem__), 0)

@@ -15,7 +15,7 @@ from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.files import cache_dir
 from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.quant import quant_bits
-from eagle_fsd.target_quant import is_target_quantized
+from eagle_fsd.target_quant import int4_share, is_target_quantized
 from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import describe_age
@@ -33,14 +33,14 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
     if is_prepacked(target):
         key["prepacked"] = True
     if is_target_quantized(target):
-        key["target_quant"] = "int8"
+        key["target_quant"] = "int4" if int4_share(target) else "int8"
     capped = {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ}
     if capped:  # an instruction-set cap changes every timing (e.g. emulating an AVX2-only CPU)
         key["cpu_caps"] = capped
     if model.drafter is not None and quant_bits(model.drafter.module):
         key["draft_bits"] = quant_bits(model.drafter.module)
     if model.drafter is not None and is_target_quantized(model.drafter.module):
-        key["draft_quant"] = "int8"
+        key["draft_quant"] = "int4" if int4_share(model.drafter.module) else "int8"
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key

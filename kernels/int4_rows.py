@@ -1,0 +1,125 @@
+"""4-bit weights times 8-bit activations rounded per row, on CPUs with AVX-512 VNNI (int4_rows.cpp has the math).
+
+A C++ extension built on first use by torch.utils.cpp_extension (a C++ compiler and ninja; about a minute, cached
+under TORCH_EXTENSIONS_DIR). `int4_rows_available()` says whether this machine can run it; `int4_rows_reference` is
+the same product in float64 from the dequantized weights, for tests.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+LANES, GROUP, LEVELS = 16, 32, 15  # channels per block, inputs per scale, largest 4-bit code
+VNNI_512 = ("avx512f", "avx512bw", "avx512_vnni")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def _extension():
+    from torch.utils import cpp_extension
+    source = Path(__file__).with_name("int4_rows.cpp")
+    # -fopenmp: at::parallel_for is OpenMP in a header, serial without it (torch's own libgomp is the one loaded)
+    return cpp_extension.load(name="eagle_fsd_int4_rows", sources=[str(source)], verbose=False,
+                              extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                                            "-mfma", "-mf16c"], extra_ldflags=["-fopenmp"])
+
+
+@functools.cache
+def int4_rows_available() -> bool:
+    """The CPU has AVX-512 VNNI and the extension builds here."""
+    if not set(VNNI_512) <= _cpu_flags():
+        return False
+    try:
+        _extension()
+    except Exception:  # no compiler, no ninja, headers missing: the int8 path stays
+        return False
+    return True
+
+
+def fits_int4(weight: torch.Tensor) -> bool:
+    """Every group of 32 inputs of every row takes at most 16 distinct values: the weight is 4-bit already (a GGUF's
+    Q4 blocks, dequantized), so rounding it to 4 bits again moves each value by float rounding at most."""
+    out_features, in_features = weight.shape
+    if in_features % GROUP:
+        return False
+    groups = weight.detach().reshape(-1, GROUP)
+    return _at_most_16_values(groups[:4096]) and _at_most_16_values(groups)  # a 6- or 8-bit weight fails early
+
+
+def _at_most_16_values(groups: torch.Tensor) -> bool:
+    ordered = groups.float().sort(dim=1).values
+    distinct = 1 + (ordered[:, 1:] != ordered[:, :-1]).sum(1)
+    return bool((distinct <= LEVELS + 1).all())
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W (n, k) -> codes q (n, k) uint8 in 0..15, scales s and minima m (n, k / 32) fp16 with W ~ s q + m per group:
+    m the group's minimum, s its range / 15."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = w.amin(2), w.amax(2)
+    m = low.half()
+    s = ((high - low) / LEVELS).half().float().clamp(min=2.0 ** -24).half()
+    q = ((w - m.float().unsqueeze(2)) / s.float().unsqueeze(2)).round().clamp(0, LEVELS).to(torch.uint8)
+    return q.reshape(n, k), s, m
+
+
+def dequantize_int4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """s q + m in float64, (n, k)."""
+    n, k = q.shape
+    w = q.double().reshape(n, k // GROUP, GROUP) * s.double().unsqueeze(2) + m.double().unsqueeze(2)
+    return w.reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Codes and scales in the kernel's layout (int4_rows.cpp): (ceil(n / 16), k / 32, 320) uint8; channels past n
+    are zero."""
+    n, k = q.shape
+    blocks, groups = -(-n // LANES), k // GROUP
+    pad = blocks * LANES - n
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        s, m = torch.cat([s, s.new_zeros(pad, groups)]), torch.cat([m, m.new_zeros(pad, groups)])
+    # q[b, lane, g, chunk, t] -> [b, g, chunk, lane, t]: byte 4 lane + t of chunk c = input 4 c + t of that lane
+    chunks = q.reshape(blocks, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    codes = (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(blocks, groups, 256)
+    scales = torch.stack([s.reshape(blocks, LANES, groups), m.reshape(blocks, LANES, groups)], 1)  # b, s|m, lane, g
+    scales = scales.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape(blocks, groups, 64)
+    return torch.cat([codes, scales], 2).contiguous()
+
+
+def round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows, k) -> (v, a): v = round(x / a) in -127..127, a = max |x| / 127 per row (the kernel's rounding)."""
+    x = x.float()
+    peak = x.abs().amax(1, keepdim=True).clamp(min=1e-30)
+    return torch.round(x * (127.0 / peak)), peak / 127.0
+
+
+def int4_rows_reference(x: torch.Tensor, q, s, m, bias=None) -> torch.Tensor:
+    """The kernel's product in float64: a_i sum_j (s q + m)_oj v_ij (+ bias)."""
+    v, a = round_rows(x.reshape(-1, x.shape[-1]))
+    y = (v.double() @ dequantize_int4(q, s, m).T) * a.double()
+    return y if bias is None else y + bias.double()
+
+
+def int4_rows_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., k) fp32 -> (..., out_features) fp32 through the packed 4-bit weight."""
+    rows = x.reshape(-1, x.shape[-1])
+    if bias is not None and bias.numel() != packed.shape[0] * LANES:
+        bias = torch.cat([bias.float(), bias.new_zeros(packed.shape[0] * LANES - bias.numel(), dtype=torch.float32)])
+    y = _extension().int4_rows_linear(rows.float(), packed, torch.empty(0) if bias is None else bias.float())
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    return y.reshape(*x.shape[:-1], out_features)

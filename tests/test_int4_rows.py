@@ -1,0 +1,141 @@
+"""The 4-bit target kernel (eagle_fsd.kernels.int4_rows) and 4-bit targets (eagle_fsd.target_quant four_bit):
+against a float64 reference on fresh random inputs, each row independent of its call and of the thread count (what
+makes verification equal plain decoding), 4-bit weights recognised and kept exactly, lossless speculation on a
+4-bit target. Needs a CPU with AVX-512 VNNI and a C++ compiler: elsewhere these tests are reported as skipped."""
+import pytest
+import torch
+from torch import nn
+
+from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.kernels import int4_rows as k4
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.target_quant import (Int4Product, Int8Product, RowQuantLinear, SharedInputProduct, int4_share,
+                                    quantize_target, weights_label)
+from tiny import hf_greedy, tiny_model
+
+pytestmark = pytest.mark.skipif(not k4.int4_rows_available(), reason="needs AVX-512 VNNI and a C++ compiler")
+
+
+def four_bit(weight: torch.Tensor) -> torch.Tensor:
+    """A weight whose groups of 32 hold at most 16 values: a GGUF Q4 tensor, dequantized."""
+    return k4.dequantize_int4(*k4.quantize_int4(weight)).float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 21])
+@pytest.mark.parametrize("out_features, bias", [(48, False), (40, True), (300, True)])
+def test_kernel_matches_float64_reference(rows, out_features, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, 96, generator=g) * 0.05
+    w[3, 40:50] *= 20  # a group with a wide range
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    x[:, 5] *= 30  # an outlier channel
+    q, s, m = k4.quantize_int4(w)
+    y = k4.int4_rows_linear(x, k4.pack_int4(q, s, m), out_features, b)
+    want = k4.int4_rows_reference(x, q, s, m, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    # fp32 sums of 3 groups of exact int32 products: a few ulps of the largest term
+    scale = (x.abs().amax(1, keepdim=True).double() / 127) * (k4.dequantize_int4(q, s, m).abs() @
+                                                               torch.full((96, 1), 127.0, dtype=torch.float64)).T
+    assert ((y.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
+    # the rounding is real: 8-bit rows and 4-bit weights, not the float product
+    float_product = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert (y.double() - float_product).abs().max() > 1e-4
+
+
+def test_each_row_is_independent_of_its_call_and_of_threads():
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(80, 128, generator=g) * 0.05, torch.randn(80, generator=g)
+    packed = k4.pack_int4(*k4.quantize_int4(w))
+    x = torch.randn(37, 128, generator=g) * torch.logspace(-2, 2, 37).unsqueeze(1)
+    alone = torch.cat([k4.int4_rows_linear(x[i:i + 1], packed, 80, b) for i in range(37)])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for size in (2, 5, 16, 17, 37):
+                assert torch.equal(k4.int4_rows_linear(x[:size], packed, 80, b), alone[:size]), (n, size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_four_bit_weights_are_recognised_and_kept_exactly():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=g) * 0.02
+    assert not k4.fits_int4(w) and not k4.fits_int4(w[:, :80])  # 32 values a group; 80 inputs: no whole groups
+    w4 = four_bit(w)
+    assert k4.fits_int4(w4)
+    q, s, m = k4.quantize_int4(w4)
+    assert torch.equal(k4.dequantize_int4(q, s, m).float(), w4)  # rounding it again changes nothing
+    assert q.max() == 15 and q.min() == 0
+    rounded = k4.dequantize_int4(*k4.quantize_int4(w)).float()
+    group_step = (w.reshape(64, 3, 32).amax(2) - w.reshape(64, 3, 32).amin(2)) / 15
+    assert ((rounded - w).abs().reshape(64, 3, 32) <= group_step.unsqueeze(2) * 0.51 + 1e-6).all()
+
+
+def test_pack_puts_each_code_where_the_kernel_reads_it():
+    """One nonzero code at a time, weight 1 everywhere else 0 (s = 1, m = 0): the product with a one-hot row picks
+    exactly that channel and input."""
+    n, k = 20, 64
+    for channel, column in ((0, 0), (17, 63), (5, 36), (15, 33)):
+        q = torch.zeros(n, k, dtype=torch.uint8)
+        q[channel, column] = 15
+        s, m = torch.ones(n, k // 32, dtype=torch.half), torch.zeros(n, k // 32, dtype=torch.half)
+        x = torch.zeros(1, k)
+        x[0, column] = 1.0
+        y = k4.int4_rows_linear(x, k4.pack_int4(q, s, m), n)
+        want = torch.zeros(1, n)
+        want[0, channel] = 15.0
+        assert torch.equal(y, want), (channel, column)
+
+
+def test_quantize_target_runs_four_bit_layers_in_int4_and_the_rest_in_int8():
+    model = tiny_model("qwen2", seed=3)
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and not name.endswith("v_proj"):
+                module.weight.copy_(four_bit(module.weight))
+    quantize_target(model, four_bit=True)
+    products = {name: m.product for name, m in model.named_modules() if isinstance(m, RowQuantLinear)}
+    inner = {name: getattr(p, "product", p) for name, p in products.items()}
+    assert all(isinstance(p, Int8Product) for name, p in inner.items() if name.endswith("v_proj"))
+    assert all(isinstance(p, Int4Product) for name, p in inner.items() if not name.endswith("v_proj")
+               and not name.endswith("lm_head"))  # a tied lm_head is the embedding: not rounded, int8
+    assert attention.q_proj.product is attention.k_proj.product and attention.v_proj.product is not attention.q_proj.product
+    assert isinstance(attention.q_proj.product, SharedInputProduct)
+    assert 0 < int4_share(model) < 1 and weights_label(model).startswith("int4 x int8")
+    plain = tiny_model("qwen2", seed=3)
+    quantize_target(plain)  # four_bit off: all int8
+    assert int4_share(plain) == 0 and weights_label(plain) == "int8 x int8"
+
+
+@pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])
+def test_engine_is_lossless_against_a_four_bit_target(shape):
+    """Greedy speculation on a 4-bit target equals plain greedy decoding of that target (HF generate: prefill,
+    then one row per step)."""
+    target, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=1)
+    with torch.no_grad():
+        for module in target.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(four_bit(module.weight))
+        for p in draft.parameters():
+            p.add_(0.003 * torch.randn_like(p))
+    quantize_target(target, four_bit=True)
+    assert int4_share(target) > 0.5
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
+    model = EaFsdModel(target, None, LMDrafter(draft, 1000), *shape)
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    plain = hf_greedy(target, ids, 30)
+    assert torch.equal(out.sequences, plain)
+    assert torch.equal(model.naive_generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
+    assert out.tau > 1.2
+
+
+def test_unavailable_without_vnni(monkeypatch):
+    k4.int4_rows_available.cache_clear()
+    monkeypatch.setattr(k4, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    try:
+        assert not k4.int4_rows_available()
+    finally:
+        k4.int4_rows_available.cache_clear()
