@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from eagle_fsd.dtypes import dtype_name, torch_dtype
 from eagle_fsd.eval.data import load_questions
-from eagle_fsd.eval.llama_cpp_peer import import_llama_cpp, llama_cpp_methods
+from eagle_fsd.eval.llama_cpp_peer import import_llama_cpp, llama_cpp_methods, smoke_test
 from eagle_fsd.eval.vllm_peer import VllmJob, run_rows
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.loading import as_hf_runs_it
@@ -421,7 +421,8 @@ def main(argv=None) -> int:
     job, json_path = parse_args(argv)
     if job.also_llama_cpp is not None:  # fail before minutes of loading: llama-cpp-python and both GGUFs are there
         import_llama_cpp()
-        llama_cpp_ggufs(job)
+        for gguf in filter(None, llama_cpp_ggufs(job)):
+            smoke_test(gguf)
     result = run(job)
     print_table(result)
     if json_path:

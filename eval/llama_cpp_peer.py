@@ -10,6 +10,8 @@ imported only when a row is asked for.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -26,6 +28,26 @@ def import_llama_cpp():
         raise SystemExit(f"--also-llama-cpp needs llama-cpp-python, which is not installed ({exc}): "
                          f"{INSTALL_HINT}") from None
     return llama_cpp
+
+
+SMOKE_TEST = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"Hello"))
+"""
+
+
+def smoke_test(gguf: str) -> None:
+    """Load the GGUF and run one forward in a child process: a llama.cpp build that crashes on this CPU (a native
+    build's AMX matmul under gcc 12 dies with a protection fault) fails here with the fix named, before the bench
+    has run anything it could lose."""
+    done = subprocess.run([sys.executable, "-c", SMOKE_TEST, str(gguf)], capture_output=True, text=True)
+    if done.returncode < 0:
+        raise SystemExit(f"llama.cpp crashed (signal {-done.returncode}) on its first forward of {gguf}: on an AMX "
+                         "CPU with gcc 12 rebuild llama-cpp-python without AMX (README, Compare with llama.cpp: "
+                         "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON ...\")")
+    if done.returncode:
+        raise SystemExit(f"llama.cpp failed on {gguf}: {done.stderr.strip()[-500:]}")
 
 
 def open_gguf(path: str, threads: int, context: int, logits_all: bool = False, draft_model=None):

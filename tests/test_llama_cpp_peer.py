@@ -92,6 +92,27 @@ def test_bench_fails_before_loading_anything(fetched, tmp_path, monkeypatch):
         bench.main(["--model", QWEN, "--also-llama-cpp", str(tmp_path / "nope.gguf")])
 
 
+def test_a_llama_cpp_build_that_crashes_is_named_before_the_bench_runs(tmp_path, monkeypatch):
+    """A child process runs llama.cpp's first forward: a crash there (as a native AMX build under gcc 12 does)
+    becomes an error naming the rebuild, and the bench loads nothing."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(llama_cpp_peer, "SMOKE_TEST", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(SystemExit, match=r"crashed \(signal 11\).*model.gguf.*without AMX"):
+        llama_cpp_peer.smoke_test(str(gguf))
+    monkeypatch.setattr(bench, "import_llama_cpp", lambda: None)
+    monkeypatch.setattr(bench, "llama_cpp_ggufs", lambda job: (str(gguf), None))
+
+    def no_run(job):
+        raise AssertionError("bench loaded models before llama.cpp's smoke test")
+    monkeypatch.setattr(bench, "run", no_run)
+    with pytest.raises(SystemExit, match="without AMX"):
+        bench.main(["--model", QWEN, "--also-llama-cpp"])
+    monkeypatch.setattr(llama_cpp_peer, "SMOKE_TEST", "import sys; sys.exit('unknown model architecture')")
+    with pytest.raises(SystemExit, match="llama.cpp failed on .*model.gguf: unknown model architecture"):
+        llama_cpp_peer.smoke_test(str(gguf))
+
+
 # --- with llama.cpp and the SmolLM2 GGUF ---------------------------------------------------------------------------
 
 needs_llama_cpp = pytest.mark.skipif(
@@ -166,3 +187,8 @@ def test_draft_row_counts_target_forwards(smollm2):
     new = out["sequences"].shape[1] - ids.shape[1]
     assert new == 24
     assert 1 < new / out["target_forwards"] <= 4
+
+
+@needs_llama_cpp
+def test_smoke_test_passes_on_a_working_build():
+    assert llama_cpp_peer.smoke_test(str(gguf_path(SMOLLM2))) is None
