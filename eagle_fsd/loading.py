@@ -96,10 +96,13 @@ def load_target(path: str, dtype, device_map, prepack, hf_kwargs: dict):
 
 def prepare_weights(target, drafter, prepack, draft_quant) -> None:
     """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen. With a
-    quantized target, an LM drafter on draft_quant "auto" runs the same kernels (int4 for its 4-bit weights if the
-    target's run int4, else int8; its inputs are fp32 then)."""
+    quantized target, an LM drafter on draft_quant "auto" runs the same kernels: where the target's run int4, every
+    drafter layer is rounded to int4 (4-bit already or not: a drafter's rounding moves acceptance only, and half the
+    bytes of int8 make each draft forward cheaper), else int8; its inputs are fp32 then."""
     if is_target_quantized(target) and draft_quant == "auto" and drafter is not None and drafter.auto_quant:
-        quantize_target(drafter.module, activation_bits(cpu_flags()), exact=False, four_bit=int4_share(target) > 0)
+        four_bit = int4_share(target) > 0
+        quantize_target(drafter.module, activation_bits(cpu_flags()), exact=False, four_bit=four_bit,
+                        requantize=four_bit)
         return
     if resolve_prepack(prepack, target):
         prepack_linears(target)

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.kernels.int4_rows import fits_int4, int4_rows_available, int4_rows_linear, pack_int4, quantize_int4
+from eagle_fsd.kernels.int4_rows import GROUP, fits_int4, int4_rows_available, int4_rows_linear, pack_int4, quantize_int4
 from eagle_fsd.quant import quant_bits
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -130,11 +130,19 @@ class Int4Product:
         return int4_rows_linear(x, self.packed, self.out_features, self.bias)
 
 
+def runs_int4(weight: torch.Tensor, activation_bits: int, four_bit: bool, requantize: bool) -> bool:
+    """Whether a weight runs the int4 kernel: `four_bit` asks for it, this CPU has the kernel (VNNI: 8-bit
+    activations), and the weight is 4-bit already or, with `requantize`, may be rounded to 4 bits (whole groups)."""
+    if not (four_bit and activation_bits == 8 and int4_rows_available()):
+        return False
+    return weight.shape[1] % GROUP == 0 if requantize else fits_int4(weight)
+
+
 def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8, per_row: bool = True,
-                 four_bit: bool = False):
-    """An Int4Product where `four_bit` asks for one and the weight is 4-bit already (rows rounded one by one
-    whatever `per_row` says: in C++ that costs nothing; VNNI), else an Int8Product."""
-    if four_bit and activation_bits == 8 and int4_rows_available() and fits_int4(weight):
+                 four_bit: bool = False, requantize: bool = False):
+    """An Int4Product where `runs_int4` says so (rows rounded one by one whatever `per_row` says: in C++ that costs
+    nothing), else an Int8Product."""
+    if runs_int4(weight, activation_bits, four_bit, requantize):
         return Int4Product(weight, bias)
     return Int8Product(weight, bias, activation_bits, per_row)
 
@@ -170,21 +178,21 @@ class RowQuantLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activation_bits: int = 8, per_row: bool = True,
-                    four_bit: bool = False) -> RowQuantLinear:
-        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row,
-                               four_bit=four_bit)  # shared, not copied
+                    four_bit: bool = False, requantize: bool = False) -> RowQuantLinear:
+        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row, four_bit=four_bit,
+                               requantize=requantize)  # shared, not copied
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
                     product=None, columns: slice | None = None, per_row: bool = True,
-                    four_bit: bool = False) -> RowQuantLinear:
+                    four_bit: bool = False, requantize: bool = False) -> RowQuantLinear:
         """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.shape
         layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         layer.bias = bias
-        layer.product = product or make_product(weight, bias, activation_bits, per_row, four_bit)
+        layer.product = product or make_product(weight, bias, activation_bits, per_row, four_bit, requantize)
         layer.columns = columns
         layer.activation_bits = layer.product.activation_bits
         return layer
@@ -200,16 +208,14 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers 
 
 
 def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int, per_row: bool = True,
-                  four_bit: bool = False) -> int:
+                  four_bit: bool = False, requantize: bool = False) -> int:
     """The linear layers `names` of `parent`, if all there with one input width, become RowQuantLinear columns of
-    SharedInputProducts: one over those whose weights are 4-bit already (with `four_bit`), one over the rest;
-    returns how many."""
+    SharedInputProducts: one over those that run int4 (`runs_int4`), one over the rest; returns how many."""
     layers = [getattr(parent, name, None) for name in names]
     if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowQuantLinear) for layer in layers) \
             or len({layer.in_features for layer in layers}) != 1:
         return 0
-    use_int4 = four_bit and activation_bits == 8 and int4_rows_available()
-    kinds = [use_int4 and fits_int4(layer.weight) for layer in layers]
+    kinds = [runs_int4(layer.weight, activation_bits, four_bit, requantize) for layer in layers]
     for kind in set(kinds):
         members = [(name, layer) for name, layer, k in zip(names, layers, kinds) if k == kind]
         biases = None
@@ -228,13 +234,15 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     return len(layers)
 
 
-def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = True, four_bit: bool = False) -> int:
+def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = True, four_bit: bool = False,
+                    requantize: bool = False) -> int:
     """Every linear layer of `model` (plain or prepacked) becomes a RowQuantLinear, and every other parameter fp32,
     so that the activations between the quantized products stay fp32; returns how many layers. The linear weights
     keep their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact:
     attention in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only
     moves acceptance, goes without both. four_bit: layers whose weights are 4-bit already run the int4 kernel (where
-    this CPU has it: AVX-512 VNNI), the others int8."""
+    this CPU has it: AVX-512 VNNI), the others int8. requantize (with four_bit; a drafter, not exact): every layer
+    whose input width is whole groups of 32 is rounded to 4 bits and runs int4, 4-bit already or not."""
     if not row_int8_supported(next(model.parameters()).device):
         raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
                          f"{torch.__version__} or device lacks it. Use target_quant 'off'")
@@ -242,10 +250,10 @@ def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = Tr
     swapped = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            swapped += share_product(parent, names, activation_bits, exact, four_bit)
+            swapped += share_product(parent, names, activation_bits, exact, four_bit, requantize)
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and not isinstance(child, RowQuantLinear):
-                setattr(parent, name, RowQuantLinear.from_linear(child, activation_bits, exact, four_bit))
+                setattr(parent, name, RowQuantLinear.from_linear(child, activation_bits, exact, four_bit, requantize))
                 swapped += 1
     setattr(model.config, FP64_ATTENTION, exact)  # row-exact attention (eagle_fsd.attention)
     for module in model.modules():

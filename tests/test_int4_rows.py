@@ -132,6 +132,44 @@ def test_engine_is_lossless_against_a_four_bit_target(shape):
     assert out.tau > 1.2
 
 
+def test_requantize_rounds_every_layer_to_int4():
+    """A drafter's layers (requantize): 4-bit already or not, every layer runs int4, within rounding of the float
+    layer; without requantize, weights that are not 4-bit stay int8."""
+    model, reference = tiny_model("qwen2", seed=4), tiny_model("qwen2", seed=4)
+    quantize_target(model, exact=False, four_bit=True, requantize=True)
+    inner = [getattr(m.product, "product", m.product) for m in model.modules() if isinstance(m, RowQuantLinear)]
+    assert inner and all(isinstance(p, Int4Product) for p in inner) and int4_share(model) == 1.0
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits.float()
+    assert (got - want).abs().max() < 0.2 * want.abs().max()  # 4-bit weights: close, not equal
+    unrounded = tiny_model("qwen2", seed=4)
+    quantize_target(unrounded, exact=False, four_bit=True)
+    assert int4_share(unrounded) == 0.0
+
+
+def test_an_int4_target_gets_an_all_int4_drafter_and_draft_vocabulary():
+    """prepare_weights: a drafter beside an int4 target runs every layer int4, its draft-vocabulary head too, and that
+    head's logits are the full head's at those ids, to the bit."""
+    from eagle_fsd.loading import prepare_weights
+
+    target, draft = tiny_model("qwen2", seed=5), tiny_model("qwen2", seed=6)
+    with torch.no_grad():
+        for module in target.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(four_bit(module.weight))
+    quantize_target(target, four_bit=True)
+    drafter = LMDrafter(draft, 1000)
+    prepare_weights(target, drafter, "off", "auto")
+    assert int4_share(draft) == 1.0
+    hidden = torch.randn(3, draft.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    full = drafter.draft_head(hidden)
+    ids = torch.tensor([7, 3, 999, 500, 42])
+    drafter.set_draft_vocab(ids)
+    assert isinstance(drafter.draft_head.quant.product, Int4Product)
+    assert torch.equal(drafter.draft_head(hidden), full[:, ids])
+
+
 def test_unavailable_without_vnni(monkeypatch):
     k4.int4_rows_available.cache_clear()
     monkeypatch.setattr(k4, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})

@@ -40,7 +40,8 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
     if model.drafter is not None and quant_bits(model.drafter.module):
         key["draft_bits"] = quant_bits(model.drafter.module)
     if model.drafter is not None and is_target_quantized(model.drafter.module):
-        key["draft_quant"] = "int4" if int4_share(model.drafter.module) else "int8"
+        share = int4_share(model.drafter.module)  # the share too: all int4 or only the 4-bit layers time apart
+        key["draft_quant"] = f"int4 ({share:.0%})" if share else "int8"
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key
