@@ -15,8 +15,9 @@ be killed, resumed, or extended with more arms or problems without losing or rep
 
 Per arm and benchmark (summary.csv / summary.json): accuracy with its 95 % Wilson interval; the paired difference to
 lossless on the same problems (bootstrap interval, McNemar's exact p); tau; the fuzzy share of accepted tokens;
-tokens/s and the speedup over lossless and over plain decoding on the problems both ran (paired bootstrap
-interval). problems.csv: every answer's score, tokens and time. frontier_<bench>.png: accuracy against speedup over
+tokens/s and the speedup over lossless and over plain decoding on the problems both ran on the same machine (paired
+bootstrap interval; every record names its CPU / GPU and dtype, so an out-dir continued on another machine pairs
+speeds only within one: `speed_problems` counts those pairs). problems.csv: every answer's score, tokens and time. frontier_<bench>.png: accuracy against speedup over
 lossless, one line per (divergence, rule).
 `--sample N`: a fixed seeded subset of N problems of every benchmark with more than N (`--seed`), else all.
 """
@@ -43,12 +44,14 @@ from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 from eagle_fsd.tree.accept import tokens_per_step
 from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.tune import device_name
 
 BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k, "gpqa": gpqa}
 PLAIN, LOSSLESS = "plain", "lossless"
 CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "tree", "problems", "accuracy", "accuracy_low",
               "accuracy_high", "diff_vs_lossless", "diff_low", "diff_high", "only_lossless", "only_this", "p_value",
-              "tokens_per_s", "speedup_vs_lossless", "speedup_low", "speedup_high", "speedup_vs_plain", "tau",
+              "tokens_per_s", "speedup_vs_lossless", "speedup_low", "speedup_high", "speed_problems",
+              "speedup_vs_plain", "tau",
               "fuzzy_fraction", "new_tokens", "wall_time"]
 
 
@@ -186,6 +189,7 @@ def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, ar
             "mode": fsd.mode if fsd else None, "tree": arm.tree, "correct": bool(correct), "detail": detail,
             "new_tokens": out.new_tokens, "wall_time": round(out.wall_time, 4), "verify_steps": out.verify_steps,
             "accepted": sum(out.accept_lengths), "fuzzy": sum(out.fuzzy_accepts), "reply": reply,
+            "device": device_name(model.base_model.device), "dtype": str(model.base_model.dtype).removeprefix("torch."),
             "tstamp": time.time()}
 
 
@@ -231,13 +235,18 @@ def arm_statistics(done: dict[str, dict], lossless: dict[str, dict], plain: dict
                only_lossless=diff.only_first, only_this=diff.only_second, p_value=diff.p_value)
     ratio, low, high = speedup(done, lossless)
     row.update(speedup_vs_lossless=ratio, speedup_low=low, speedup_high=high,
-               speedup_vs_plain=speedup(done, plain)[0])
+               speed_problems=len(same_machine(done, lossless)), speedup_vs_plain=speedup(done, plain)[0])
     return row
 
 
+def same_machine(done: dict[str, dict], base: dict[str, dict]) -> list[str]:
+    """The problems both ran on one machine (records made before they named it count as one machine)."""
+    return [t for t in done if t in base and done[t].get("device") == base[t].get("device")]
+
+
 def speedup(done: dict[str, dict], base: dict[str, dict]) -> tuple:
-    """(tokens/s ratio over `base`, interval) on the problems both ran; Nones when they share none."""
-    shared = [t for t in done if t in base]
+    """(tokens/s ratio over `base`, interval) on the problems both ran on the same machine; Nones when none."""
+    shared = same_machine(done, base)
     if not shared:
         return None, None, None
     return paired_speedup([done[t]["new_tokens"] for t in shared], [done[t]["wall_time"] for t in shared],
@@ -245,7 +254,7 @@ def speedup(done: dict[str, dict], base: dict[str, dict]) -> tuple:
 
 
 PROBLEM_FIELDS = ["bench", "task_id", "method", "correct", "new_tokens", "wall_time", "verify_steps", "accepted",
-                  "fuzzy", "detail"]
+                  "fuzzy", "detail", "device", "dtype"]
 
 
 def write_summary(out_dir: Path, rows: list[dict], settings: dict, records: list[dict]) -> None:

@@ -63,3 +63,23 @@ def test_summary_rows_hand_values():
     partial = [r for r in records if not (r["method"] == "lossless" and r["task_id"] == "d")]
     fsd = sweep.summarize(partial, {"b": list("abcd")}, arms)[2]
     assert fsd["problems"] == 4 and fsd["diff_vs_lossless"] == pytest.approx(-1 / 3)
+
+
+def test_speed_pairs_only_answers_made_on_one_machine():
+    """An out-dir continued on another machine: accuracy pairs every problem, speed only those whose two answers
+    ran on one machine (records without a device, made before records named it, count as one machine)."""
+    records = []
+    for task, device in zip("abcd", (None, None, "cpu-x", "cpu-x")):
+        for method, seconds in (("lossless", 2.0), ("kl_qp T=1", 1.0)):
+            r = record(task, method, task != "d", seconds=seconds if device is None else seconds * 3)
+            if device is not None:
+                r["device"] = device
+            records.append(r)
+    records[-1]["wall_time"] = 1.5  # d's FSD answer: 2x lossless
+    records[-1]["correct"] = True
+    records[-2]["device"] = "cpu-y"  # d's lossless answer came from another machine
+    arms = [sweep.Arm("lossless"), sweep.fsd_arm("kl_qp", "reducible", 1.0)]
+    lossless, fsd = sweep.summarize(records, {"b": list("abcd")}, arms)
+    assert fsd["speed_problems"] == 3 and lossless["speed_problems"] == 4
+    assert fsd["speedup_vs_lossless"] == pytest.approx(2.0)  # a, b at 2x and c at 2x; d left out
+    assert fsd["diff_vs_lossless"] == pytest.approx(0.25)  # accuracy pairs all four: d right only with FSD
