@@ -28,7 +28,7 @@ from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
-from eagle_fsd.target_quant import Int4Product, RowQuantLinear
+from eagle_fsd.target_quant import Int4Product, RowQuantLinear, own_product
 from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
 from eagle_fsd.tree.shape import TreeShape
 
@@ -180,7 +180,7 @@ class DraftHead:
         bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
         self.quant = None
         if isinstance(self.lm_head, RowQuantLinear):  # a quantized head: its rows, rounded as the head rounds them
-            int4 = isinstance(getattr(self.lm_head.product, "product", self.lm_head.product), Int4Product)
+            int4 = isinstance(own_product(self.lm_head.product), Int4Product)
             self.quant = RowQuantLinear.from_weight(self.weight, self.bias, self.lm_head.activation_bits,
                                                    per_row=self.lm_head.product.per_row, four_bit=int4,
                                                    requantize=int4)

@@ -168,6 +168,11 @@ class SharedInputProduct:
         return output
 
 
+def own_product(product):
+    """The Int4Product / Int8Product behind `product` (a SharedInputProduct's, or itself)."""
+    return product.product if isinstance(product, SharedInputProduct) else product
+
+
 class RowQuantLinear(nn.Linear):
     """An nn.Linear computing y = x W^T + b through an Int8Product or Int4Product (its own, or columns of one shared
     with its siblings), in fp32 whatever the weight's dtype, returned in the input's dtype. Shares `weight` and `bias`
@@ -268,7 +273,7 @@ def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = Tr
 def int4_share(model: nn.Module) -> float:
     """The fraction of a quantized model's linear weights that run 4-bit (the rest int8); 0 for any other model."""
     products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}.values()
-    inner = [getattr(p, "product", p) for p in products]
+    inner = [own_product(p) for p in products]
     total = sum(p.out_features * p.in_features for p in inner)
     return sum(p.out_features * p.in_features for p in inner if isinstance(p, Int4Product)) / total if total else 0.0
 
