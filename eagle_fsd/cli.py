@@ -135,8 +135,8 @@ def output_agreement(reference: torch.Tensor, sequences: torch.Tensor, prompt_le
     elif sampled:
         why = "both sampled, so they differ by chance"
     elif quantized:
-        why = ("the int8 target is not HF's float model: eagle-fsd reproduces plain greedy decoding of the int8 "
-               "model (--target-quant off compares the float weights)")
+        why = ("the quantized target is not HF's float model: eagle-fsd reproduces plain greedy decoding of the "
+               "quantized model (--target-quant off compares the float weights)")
     elif dtype == torch.float32:
         why = "unexpected for greedy decoding in fp32: please report it with this command"
     else:
