@@ -1,6 +1,6 @@
 """Kernel probe behind eagle_fsd.target_quant: ms of Qwen2.5-1.5B's MLP up-projection (1536 -> 8960) over 1-32 rows,
 weights rotating over 1 GB of fp32 copies (so every kind is read from memory, as in decoding, even past a 105 MB L3),
-median of 5 rounds, 2 threads.
+median of 5 rounds, 2 threads. The int4 kernel's other builds (AVX2 on an AVX-512 VNNI CPU) get a column each.
 
     python benchmarks/target_quant_kernels.py
 """
@@ -11,7 +11,7 @@ import torch
 
 from eagle_fsd.prepack import pack_weight, packed_linear
 from eagle_fsd.quant import INT4_GROUP, QuantLinear
-from eagle_fsd.kernels.int4_rows import int4_rows_available
+from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa, int4_rows_linear, runnable_isas, _cpu_flags
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear
 
 HIDDEN, INTERMEDIATE = 1536, 8960
@@ -31,7 +31,12 @@ def kernels(weights):
         "int8 x int8 (RowQuantLinear)": ([RowQuantLinear.from_weight(w, None) for w in weights],
                                         lambda x, layer: layer(x), torch.float32),
     } | ({"int4 x int8 (int4_rows)": ([Int4Product(w, None) for w in weights], lambda x, product: product(x),
-                                      torch.float32)} if int4_rows_available() else {})
+                                      torch.float32)} if int4_rows_available() else {}) | {
+        f"int4 x int8 ({isa} build)": ([Int4Product(w, None) for w in weights],
+                                        lambda x, product, isa=isa: int4_rows_linear(x, product.packed,
+                                                                                     product.out_features, isa=isa),
+                                        torch.float32)
+        for isa in runnable_isas(_cpu_flags(), "") if isa != int4_rows_isa()}  # the builds `auto` does not pick here
 
 
 def main():

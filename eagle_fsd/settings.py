@@ -177,7 +177,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                         "auto: int4 for an LM drafter where it measures faster")
     p.add_argument("--target-quant", choices=("auto", "int4", "int8", "off"), default="auto",
                    help="CPU: the target's linear layers in int8 (int4: 4-bit where the preset's weights are "
-                        "4-bit already, AVX-512 VNNI) with 8-bit activations per row; decoding is then lossless "
+                        "4-bit already; AVX-512 VNNI or AVX2) with 8-bit activations per row; decoding is then lossless "
                         "against that model. auto: for a preset loaded with --dtype auto, the kernel that measures "
                         "fastest")
 

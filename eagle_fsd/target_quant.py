@@ -35,6 +35,7 @@ a 105 MB L3:
 
     int8 x int8 (FBGEMM)                          1.10 / 1.15 / 1.30 / 1.57
     int4 x int8 (int4_rows)                       0.59 / 0.58 / 0.90 / 1.72   (VNNI products grow with rows)
+    int4 x int8 (int4_rows, its AVX2 build)       0.54 / 0.91 / 1.69 / 2.94   (same bits, another run)
 
 Layers whose weights are not 4-bit (Q4_K_M keeps some at 6 bits, and the embedding) stay int8 as above; the 4-bit
 ones keep the GGUF's values up to the fp16 rounding of their group scales and minima.
@@ -130,10 +131,11 @@ class Int4Product:
         return int4_rows_linear(x, self.packed, self.out_features, self.bias)
 
 
-def runs_int4(weight: torch.Tensor, activation_bits: int, four_bit: bool, requantize: bool) -> bool:
-    """Whether a weight runs the int4 kernel: `four_bit` asks for it, this CPU has the kernel (VNNI: 8-bit
-    activations), and the weight is 4-bit already or, with `requantize`, may be rounded to 4 bits (whole groups)."""
-    if not (four_bit and activation_bits == 8 and int4_rows_available()):
+def runs_int4(weight: torch.Tensor, four_bit: bool, requantize: bool) -> bool:
+    """Whether a weight runs the int4 kernel: `four_bit` asks for it, this CPU has the kernel (AVX-512 VNNI or AVX2;
+    its activations are 8-bit on both, whatever the int8 layers use), and the weight is 4-bit already or, with
+    `requantize`, may be rounded to 4 bits (whole groups)."""
+    if not (four_bit and int4_rows_available()):
         return False
     return weight.shape[1] % GROUP == 0 if requantize else fits_int4(weight)
 
@@ -142,7 +144,7 @@ def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bit
                  four_bit: bool = False, requantize: bool = False):
     """An Int4Product where `runs_int4` says so (rows rounded one by one whatever `per_row` says: in C++ that costs
     nothing), else an Int8Product."""
-    if runs_int4(weight, activation_bits, four_bit, requantize):
+    if runs_int4(weight, four_bit, requantize):
         return Int4Product(weight, bias)
     return Int8Product(weight, bias, activation_bits, per_row)
 
@@ -220,7 +222,7 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowQuantLinear) for layer in layers) \
             or len({layer.in_features for layer in layers}) != 1:
         return 0
-    kinds = [runs_int4(layer.weight, activation_bits, four_bit, requantize) for layer in layers]
+    kinds = [runs_int4(layer.weight, four_bit, requantize) for layer in layers]
     for kind in set(kinds):
         members = [(name, layer) for name, layer, k in zip(names, layers, kinds) if k == kind]
         biases = None
@@ -246,7 +248,7 @@ def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = Tr
     keep their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact:
     attention in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only
     moves acceptance, goes without both. four_bit: layers whose weights are 4-bit already run the int4 kernel (where
-    this CPU has it: AVX-512 VNNI), the others int8. requantize (with four_bit; a drafter, not exact): every layer
+    this CPU has it: AVX-512 VNNI or AVX2), the others int8. requantize (with four_bit; a drafter, not exact): every layer
     whose input width is whole groups of 32 is rounded to 4 bits and runs int4, 4-bit already or not."""
     if not row_int8_supported(next(model.parameters()).device):
         raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "

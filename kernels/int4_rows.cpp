@@ -1,4 +1,4 @@
-// y = x W^T for 4-bit weights and 8-bit activations rounded per row, on CPUs with AVX-512 VNNI.
+// y = x W^T for 4-bit weights and 8-bit activations rounded per row, on CPUs with AVX-512 VNNI or with AVX2.
 //
 // Weights, per output channel o and group g of 32 inputs:  W_oj = s_og q_oj + m_og,  q in 0..15, s and m fp16.
 // Activations, per row i:  x_ij ~ a_i v_ij,  a_i = max_j |x_ij| / 127,  v_ij = round(x_ij / a_i) in -127..127.
@@ -15,6 +15,13 @@
 // high nibbles of bytes [64c, 64c + 64) (byte 4l + t = input 4c + t of lane l); then 32 fp16: s of the 16 lanes, m
 // of the 16 lanes. One VNNI instruction multiplies a chunk of 4 unsigned nibbles by 4 signed activations per lane
 // and adds the 4 products to the lane's int32.
+//
+// Built twice (eagle_fsd.kernels.int4_rows): with AVX-512 VNNI (__AVX512VNNI__ defined) and with AVX2 + FMA + F16C
+// only. The AVX2 build reads the same layout as two halves of 8 lanes (32 of each chunk's 64 bytes). Per pair of
+// inputs it multiplies the unsigned nibbles by the signed activations into int16 (_mm256_maddubs_epi16, |2 * 15 *
+// 127| = 3810), adds a group's 8 chunks in int16 (8 * 3810 = 30480 < 2^15, so never saturated) and widens to int32
+// with one multiply-add by ones: P is the same exact integer. Every floating-point step is the same instruction on
+// the same operands per lane, so both builds give the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -45,6 +52,7 @@ void round_rows(const float* x, int64_t rows, int64_t k, int8_t* v, float* a, fl
   }
 }
 
+#if defined(__AVX512VNNI__)
 // channels [16 b, 16 b + 16) of rows [r0, r1). Each row's groups alternate between two fp32 sums, even and odd g,
 // added at the end: a fixed order (the same for any number of rows), half as long a chain of dependent additions.
 void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_t* v, const float* sums,
@@ -86,6 +94,52 @@ void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_
   }
 }
 
+#else
+// The same for AVX2: lanes [8 h, 8 h + 8) of the block in half h, both halves within one pass over the groups.
+void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_t* v, const float* sums,
+                   const float* a, const float* bias, int64_t k, int64_t n, int64_t r0, int64_t r1, float* y) {
+  __m256 acc[2][2][kRowsPerPass];  // [half][g & 1][row]
+  for (int h = 0; h < 2; ++h)
+    for (int64_t i = r0; i < r1; ++i) acc[h][0][i - r0] = acc[h][1][i - r0] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* block = packed + b * groups * 320;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = block + g * 320;
+    for (int line = 0; line < 320; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + 8 * 320 + line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i q[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * c + 32 * h));
+        q[c] = _mm256_and_si256(bytes, low);
+        q[c + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      }
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 256 + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 288 + 16 * h)));
+      __m256* sum = acc[h][g & 1];
+      for (int64_t i = r0; i < r1; ++i) {
+        const int32_t* vi = reinterpret_cast<const int32_t*>(v + i * k + g * kGroup);
+        __m256i pairs = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(vi[0]));
+        for (int c = 1; c < 8; ++c)
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(q[c], _mm256_set1_epi32(vi[c])));
+        const __m256i total = _mm256_madd_epi16(pairs, ones);
+        const __m256 term = _mm256_fmadd_ps(m, _mm256_set1_ps(sums[i * groups + g]),
+                                            _mm256_mul_ps(_mm256_cvtepi32_ps(total), s));
+        sum[i - r0] = _mm256_add_ps(sum[i - r0], term);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m256 beta = bias ? _mm256_loadu_ps(bias + b * kLanes + 8 * h) : _mm256_setzero_ps();
+    for (int64_t i = r0; i < r1; ++i) {
+      const __m256 total = _mm256_add_ps(acc[h][0][i - r0], acc[h][1][i - r0]);
+      _mm256_storeu_ps(y + i * n + b * kLanes + 8 * h, _mm256_fmadd_ps(total, _mm256_set1_ps(a[i]), beta));
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // x (rows, k) fp32; packed (n / 16, k / 32, 320) uint8; bias (n) fp32 or empty; returns (rows, n) fp32
@@ -117,5 +171,5 @@ torch::Tensor int4_rows_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("int4_rows_linear", &int4_rows_linear, "4-bit weights x 8-bit row-rounded activations (AVX-512 VNNI)");
+  module.def("int4_rows_linear", &int4_rows_linear, "4-bit weights x 8-bit row-rounded activations");
 }

@@ -1,18 +1,26 @@
-"""4-bit weights times 8-bit activations rounded per row, on CPUs with AVX-512 VNNI (int4_rows.cpp has the math).
+"""4-bit weights times 8-bit activations rounded per row, on CPUs with AVX-512 VNNI or with AVX2 (int4_rows.cpp has
+the math; both builds give the same bits).
 
 A C++ extension built on first use by torch.utils.cpp_extension (a C++ compiler and ninja; about a minute, cached
-under TORCH_EXTENSIONS_DIR). `int4_rows_available()` says whether this machine can run it; `int4_rows_reference` is
-the same product in float64 from the dequantized weights, for tests.
+under TORCH_EXTENSIONS_DIR). `int4_rows_isa()` names the build this machine runs (None: none), capped like PyTorch's
+own kernels by ATEN_CPU_CAPABILITY (`ATEN_CPU_CAPABILITY=avx2` measures an AVX2-only CPU on a newer one);
+`int4_rows_reference` is the same product in float64 from the dequantized weights, for tests.
 """
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
 LANES, GROUP, LEVELS = 16, 32, 15  # channels per block, inputs per scale, largest 4-bit code
-VNNI_512 = ("avx512f", "avx512bw", "avx512_vnni")
+ISA_FLAGS = {  # the builds, best first: the CPU flags each needs and the compiler flags it is built with
+    "avx512_vnni": (("avx512f", "avx512bw", "avx512_vnni", "fma", "f16c"),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+CAPABILITY_ISAS = {"DEFAULT": (), "AVX2": ("avx2",)}  # torch's capability -> the builds it allows (else all)
 
 
 def _cpu_flags() -> set[str]:
@@ -26,25 +34,42 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
-def _extension():
+def _extension(isa: str):
     from torch.utils import cpp_extension
     source = Path(__file__).with_name("int4_rows.cpp")
     # -fopenmp: at::parallel_for is OpenMP in a header, serial without it (torch's own libgomp is the one loaded)
-    return cpp_extension.load(name="eagle_fsd_int4_rows", sources=[str(source)], verbose=False,
-                              extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                                            "-mfma", "-mf16c"], extra_ldflags=["-fopenmp"])
+    return cpp_extension.load(name=f"eagle_fsd_int4_rows_{isa}", sources=[str(source)], verbose=False,
+                              extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa][1]], extra_ldflags=["-fopenmp"])
+
+
+def runnable_isas(flags: set[str], capability: str) -> list[str]:
+    """The builds this CPU can run, best first, within torch's CPU capability (ATEN_CPU_CAPABILITY caps both)."""
+    allowed = CAPABILITY_ISAS.get(capability.upper(), tuple(ISA_FLAGS))
+    return [isa for isa, (needs, _) in ISA_FLAGS.items() if isa in allowed and set(needs) <= flags]
 
 
 @functools.cache
-def int4_rows_available() -> bool:
-    """The CPU has AVX-512 VNNI and the extension builds here."""
-    if not set(VNNI_512) <= _cpu_flags():
-        return False
+def int4_rows_isa() -> str | None:
+    """The build this machine runs: the best one its CPU allows that compiles here; None where none does."""
+    for isa in runnable_isas(_cpu_flags(), _capability()):
+        try:
+            _extension(isa)
+        except Exception:  # no compiler, no ninja, headers missing: the int8 path stays
+            return None
+        return isa
+    return None
+
+
+def _capability() -> str:
     try:
-        _extension()
-    except Exception:  # no compiler, no ninja, headers missing: the int8 path stays
-        return False
-    return True
+        return torch.backends.cpu.get_cpu_capability()
+    except AttributeError:  # torch < 2.1 has no such query; the variable alone caps it
+        return os.environ.get("ATEN_CPU_CAPABILITY", "")
+
+
+def int4_rows_available() -> bool:
+    """This CPU runs one of the builds (AVX-512 VNNI or AVX2) and it compiles here."""
+    return int4_rows_isa() is not None
 
 
 def fits_int4(weight: torch.Tensor) -> bool:
@@ -114,12 +139,21 @@ def int4_rows_reference(x: torch.Tensor, q, s, m, bias=None) -> torch.Tensor:
 
 
 def int4_rows_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., k) fp32 -> (..., out_features) fp32 through the packed 4-bit weight."""
+                     bias: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """x (..., k) fp32 -> (..., out_features) fp32 through the packed 4-bit weight, on the build `isa` (None: the
+    one `int4_rows_isa` picks)."""
     rows = x.reshape(-1, x.shape[-1])
     if bias is not None and bias.numel() != packed.shape[0] * LANES:
         bias = torch.cat([bias.float(), bias.new_zeros(packed.shape[0] * LANES - bias.numel(), dtype=torch.float32)])
-    y = _extension().int4_rows_linear(rows.float(), packed, torch.empty(0) if bias is None else bias.float())
+    y = _extension(isa or _isa()).int4_rows_linear(rows.float(), packed, torch.empty(0) if bias is None else bias.float())
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def _isa() -> str:
+    isa = int4_rows_isa()
+    if isa is None:
+        raise RuntimeError("the int4 kernel needs a CPU with AVX-512 VNNI or AVX2 and a C++ compiler with ninja; "
+                           "use target_quant 'int8' or 'off'")
+    return isa

@@ -1,7 +1,8 @@
 """The 4-bit target kernel (eagle_fsd.kernels.int4_rows) and 4-bit targets (eagle_fsd.target_quant four_bit):
 against a float64 reference on fresh random inputs, each row independent of its call and of the thread count (what
 makes verification equal plain decoding), 4-bit weights recognised and kept exactly, lossless speculation on a
-4-bit target. Needs a CPU with AVX-512 VNNI and a C++ compiler: elsewhere these tests are reported as skipped."""
+4-bit target; the AVX2 build giving the AVX-512 build's bits. Needs a CPU with AVX-512 VNNI or AVX2 and a C++
+compiler: elsewhere these tests are reported as skipped."""
 import pytest
 import torch
 from torch import nn
@@ -10,10 +11,11 @@ from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.kernels import int4_rows as k4
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.target_quant import (Int4Product, Int8Product, RowQuantLinear, SharedInputProduct, int4_share,
-                                    quantize_target, weights_label)
+                                    own_product, quantize_target, weights_label)
 from tiny import hf_greedy, tiny_model
 
-pytestmark = pytest.mark.skipif(not k4.int4_rows_available(), reason="needs AVX-512 VNNI and a C++ compiler")
+pytestmark = pytest.mark.skipif(not k4.int4_rows_available(), reason="needs AVX-512 VNNI or AVX2 and a C++ compiler")
+ISAS = k4.runnable_isas(k4._cpu_flags(), "")  # every build this CPU runs, uncapped
 
 
 def four_bit(weight: torch.Tensor) -> torch.Tensor:
@@ -21,9 +23,10 @@ def four_bit(weight: torch.Tensor) -> torch.Tensor:
     return k4.dequantize_int4(*k4.quantize_int4(weight)).float()
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 3, 16, 21])
 @pytest.mark.parametrize("out_features, bias", [(48, False), (40, True), (300, True)])
-def test_kernel_matches_float64_reference(rows, out_features, bias):
+def test_kernel_matches_float64_reference(rows, out_features, bias, isa):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, 96, generator=g) * 0.05
     w[3, 40:50] *= 20  # a group with a wide range
@@ -31,7 +34,7 @@ def test_kernel_matches_float64_reference(rows, out_features, bias):
     x = torch.randn(rows, 96, generator=g)
     x[:, 5] *= 30  # an outlier channel
     q, s, m = k4.quantize_int4(w)
-    y = k4.int4_rows_linear(x, k4.pack_int4(q, s, m), out_features, b)
+    y = k4.int4_rows_linear(x, k4.pack_int4(q, s, m), out_features, b, isa=isa)
     want = k4.int4_rows_reference(x, q, s, m, b)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     # fp32 sums of 3 groups of exact int32 products: a few ulps of the largest term
@@ -110,6 +113,19 @@ def test_quantize_target_runs_four_bit_layers_in_int4_and_the_rest_in_int8():
     assert int4_share(plain) == 0 and weights_label(plain) == "int8 x int8"
 
 
+def test_a_cpu_without_vnni_runs_int4_beside_7_bit_int8_layers():
+    # int8 layers take 7-bit activations there (FBGEMM's 16-bit pair sums); the int4 kernel's own stay 8-bit
+    model = tiny_model("qwen2", seed=4)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(four_bit(module.weight))
+    quantize_target(model, activation_bits=7, four_bit=True)
+    inner = [own_product(m.product) for m in model.modules() if isinstance(m, RowQuantLinear)]
+    assert any(isinstance(p, Int4Product) for p in inner)
+    assert all(p.activation_bits == 7 for p in inner if isinstance(p, Int8Product))
+
+
 @pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])
 def test_engine_is_lossless_against_a_four_bit_target(shape):
     """Greedy speculation on a 4-bit target equals plain greedy decoding of that target (HF generate: prefill,
@@ -170,10 +186,48 @@ def test_an_int4_target_gets_an_all_int4_drafter_and_draft_vocabulary():
     assert torch.equal(drafter.draft_head(hidden), full[:, ids])
 
 
-def test_unavailable_without_vnni(monkeypatch):
-    k4.int4_rows_available.cache_clear()
-    monkeypatch.setattr(k4, "_cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs a CPU with AVX-512 VNNI to compare the two builds")
+def test_avx2_build_gives_the_avx512_builds_bits():
+    g = torch.Generator().manual_seed(11)
+    for rows, out_features, in_features in ((1, 48, 96), (5, 300, 128), (16, 64, 4096), (23, 1536, 256)):
+        w = torch.randn(out_features, in_features, generator=g) * 0.05
+        b = torch.randn(out_features, generator=g)
+        x = torch.randn(rows, in_features, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+        x[:, 7] *= 50  # an outlier channel: the extreme codes +-127 in every row
+        packed = k4.pack_int4(*k4.quantize_int4(w))
+        ys = [k4.int4_rows_linear(x, packed, out_features, b, isa=isa) for isa in ISAS]
+        assert all(torch.equal(y, ys[0]) for y in ys[1:]), (rows, out_features, in_features)
+
+
+def test_extreme_codes_do_not_saturate_the_avx2_pair_sums():
+    # every code 15 and every activation +-127 (a row of +-127: scale 1): each int16 slot of the AVX2 build holds
+    # 8 * 2 * 15 * 127 = 30480, and the product is 15 * 127 * 64 exactly
+    q = torch.full((16, 64), 15, dtype=torch.uint8)
+    s, m = torch.ones(16, 2, dtype=torch.half), torch.zeros(16, 2, dtype=torch.half)
+    packed = k4.pack_int4(q, s, m)
+    for sign in (1.0, -1.0):
+        x = torch.full((1, 64), sign * 127)
+        for isa in ISAS:
+            y = k4.int4_rows_linear(x, packed, 16, isa=isa)
+            assert torch.equal(y, torch.full((1, 16), sign * 15.0 * 127 * 64)), isa
+
+
+def test_builds_follow_cpu_flags_and_torch_capability():
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
+    assert k4.runnable_isas(avx512, "AVX512") == ["avx512_vnni", "avx2"]
+    assert k4.runnable_isas(avx512, "AVX2") == ["avx2"]  # ATEN_CPU_CAPABILITY=avx2: measure an AVX2 machine
+    assert k4.runnable_isas(avx512, "DEFAULT") == []
+    assert k4.runnable_isas({"avx2", "fma", "f16c", "avx512f"}, "AVX2") == ["avx2"]  # AVX-512 without VNNI
+    assert k4.runnable_isas({"avx2", "fma"}, "AVX2") == []  # no fp16 conversion
+    assert k4.runnable_isas({"sse4_2"}, "") == []
+
+
+def test_unavailable_without_avx2(monkeypatch):
+    k4.int4_rows_isa.cache_clear()
+    monkeypatch.setattr(k4, "_cpu_flags", lambda: {"sse4_2", "fma", "f16c"})
     try:
         assert not k4.int4_rows_available()
+        with pytest.raises(RuntimeError, match="AVX2"):
+            k4.int4_rows_linear(torch.zeros(1, 32), torch.zeros(1, 1, 320, dtype=torch.uint8), 16)
     finally:
-        k4.int4_rows_available.cache_clear()
+        k4.int4_rows_isa.cache_clear()

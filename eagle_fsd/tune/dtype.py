@@ -203,8 +203,9 @@ def resolve_target_quant(target_quant, target, preset: bool, dtype_given: bool, 
             raise ValueError(f"target_quant {target_quant} needs a target on the CPU and PyTorch's FBGEMM int8 linear; "
                              f"this target is on {target.device} (PyTorch {torch.__version__}). Use 'auto' or 'off'")
         if target_quant == "int4" and not int4_rows_available():
-            raise ValueError("target_quant int4 needs a CPU with AVX-512 VNNI and a C++ compiler with ninja to build "
-                             "eagle_fsd.kernels.int4_rows on first use; use 'int8' or 'auto'")
+            raise ValueError("target_quant int4 needs a CPU with AVX-512 VNNI or AVX2 (within ATEN_CPU_CAPABILITY) and a "
+                             "C++ compiler with ninja to build eagle_fsd.kernels.int4_rows on first use; use 'int8' or "
+                             "'auto'")
         return 4 if target_quant == "int4" else 8
     if not (supported and preset and not dtype_given):
         return 0
