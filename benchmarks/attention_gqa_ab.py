@@ -24,7 +24,7 @@ PATHS = {"in place": True, "copied": False}
 
 def verify_ms(model, context: torch.Tensor, n: int, rounds: int = 9) -> float:
     target = model.base_model
-    cache = TreeCache(target.config.num_hidden_layers, context.numel() + n)
+    cache = TreeCache.for_model(target, context.numel() + n)
     decoder_forward(target, context, cache, causal_mask(0, context.numel(), context.device),
                     torch.arange(context.numel()), model.attention)
     base, times = context.numel(), []

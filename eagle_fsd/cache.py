@@ -4,6 +4,10 @@ Layout per layer: keys/values (B, H_kv, max_len, D). Slots [0, length) hold comm
 forward appends the tree's N tokens at [length, length + N); `keep(start, idx)` then moves the accepted nodes'
 entries (slots start + idx) to [start, start + len(idx)) and drops the rest. Nothing is ever reallocated.
 
+Storage dtype: as the keys arrive, or float64 for a model that attends in float64 (an exact quantized target,
+eagle_fsd.target_quant): each new key is widened once when stored instead of the whole cache at every layer of every
+forward; fp32 -> fp64 is exact, so attention sees the same numbers (`TreeCache.for_model`).
+
 Positions: committed slot i holds the token at position i, but tree entries do not (tree node j sits at position
 committed + depth(j)). Sliding-window attention needs every key's position, so TreeCache can track them
 (`track_positions`, called by eagle_fsd.hf.decoder_forward for models with sliding layers only).
@@ -13,22 +17,27 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from eagle_fsd.target_quant import FP64_ATTENTION
+
 
 class PreallocatedLayer(DynamicLayer):
     """One layer's fixed-size buffer. Subclasses DynamicLayer only to inherit the rest of the layer protocol."""
 
     is_croppable = True
 
-    def __init__(self, max_len: int):
+    def __init__(self, max_len: int, storage_dtype: torch.dtype | None = None):
         super().__init__()
         self.max_len = max_len
+        self.storage_dtype = storage_dtype  # None: the dtype the first keys arrive in
         self.length = 0
 
     def lazy_initialization(self, key_states, value_states):
         batch, heads, _, dim = key_states.shape
         self.device = key_states.device
-        self.keys = key_states.new_zeros(batch, heads, self.max_len, dim)
-        self.values = value_states.new_zeros(batch, value_states.shape[1], self.max_len, value_states.shape[-1])
+        dtype = self.storage_dtype or key_states.dtype
+        self.keys = key_states.new_zeros(batch, heads, self.max_len, dim, dtype=dtype)
+        self.values = value_states.new_zeros(batch, value_states.shape[1], self.max_len, value_states.shape[-1],
+                                             dtype=dtype)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -73,10 +82,16 @@ class PreallocatedLayer(DynamicLayer):
 class TreeCache(Cache):
     """A transformers `Cache` of `PreallocatedLayer`s, sized prompt + max_new_tokens + tree (not the model context)."""
 
-    def __init__(self, num_layers: int, max_len: int):
-        super().__init__(layers=[PreallocatedLayer(max_len) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, max_len: int, storage_dtype: torch.dtype | None = None):
+        super().__init__(layers=[PreallocatedLayer(max_len, storage_dtype) for _ in range(num_layers)])
         self.max_len = max_len
         self.positions: torch.Tensor | None = None  # (max_len,) position of each slot's token, once tracked
+
+    @classmethod
+    def for_model(cls, model, max_len: int) -> TreeCache:
+        """A cache for every layer of `model`, stored in float64 where the model attends in float64 on a CPU."""
+        wide = getattr(model.config, FP64_ATTENTION, False) and model.device.type == "cpu"
+        return cls(model.config.num_hidden_layers, max_len, torch.float64 if wide else None)
 
     def track_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
         """Record the positions (n,) of the tokens the next forward appends and return the positions of all the keys

@@ -280,7 +280,7 @@ class EaFsdModel(torch.nn.Module):
         prompt = input_ids[0].to(self.base_model.device)
         eos = eos_token_ids(self.base_model, eos_token_id)
         tree_room = tree_shape.total_token + 1 if drafter is not None else 1
-        cache = TreeCache(self.base_model.config.num_hidden_layers, prompt.numel() + max_new_tokens + tree_room)
+        cache = TreeCache.for_model(self.base_model, prompt.numel() + max_new_tokens + tree_room)
         if streamer is not None:
             streamer.put(input_ids.cpu())
 

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.model import EaFsdModel, exactness
 from eagle_fsd.prepack import unpacked
 from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
@@ -133,6 +135,23 @@ def test_quantize_target_swaps_every_linear_and_runs_fp32():
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+def test_an_exact_target_stores_its_cache_in_float64_and_attends_to_the_same_numbers():
+    model = tiny_model("qwen2", seed=6)
+    assert TreeCache.for_model(model, 8).layers[0].storage_dtype is None  # float target: keys as they come
+    quantize_target(model)
+    ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for cache in (TreeCache(model.config.num_hidden_layers, 16), TreeCache.for_model(model, 16)):
+        with torch.no_grad():
+            prefill = decoder_forward(model, ids[:9], cache, causal_mask(0, 9, "cpu"), torch.arange(9))
+            tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+            step = decoder_forward(model, ids[9:], cache, prefix_tree_mask(9, tree), torch.tensor([9, 10, 10]))
+        outputs.append((prefill, step, cache.layers[0].keys.dtype))
+    (prefill32, step32, dtype32), (prefill64, step64, dtype64) = outputs
+    assert dtype32 == torch.float32 and dtype64 == torch.float64  # widened once, when stored
+    assert torch.equal(prefill32, prefill64) and torch.equal(step32, step64)
 
 
 @pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])

@@ -121,7 +121,7 @@ def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rou
     device, backend = target.device, model.attention
     ctx = context.to(device)
     hidden = target_hidden(model, ctx)
-    cache = TreeCache(target.config.num_hidden_layers, ctx.numel() + max(sizes))
+    cache = TreeCache.for_model(target, ctx.numel() + max(sizes))
     decoder_forward(target, ctx, cache, causal_mask(0, ctx.numel(), device), torch.arange(ctx.numel(), device=device),
                     backend)
     base = ctx.numel()
@@ -326,7 +326,7 @@ def measure_prefill(model, prompt: torch.Tensor, rounds: int, watch: TimingWatch
     lm_head = target.get_output_embeddings()
 
     def target_prefill():
-        cache = TreeCache(target.config.num_hidden_layers, n)
+        cache = TreeCache.for_model(target, n)
         lm_head(decoder_forward(target, ids, cache, causal_mask(0, n, target.device),
                                 torch.arange(n, device=target.device), model.attention)[-1:])
 

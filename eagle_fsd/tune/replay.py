@@ -21,7 +21,7 @@ def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     """The features the drafter reads over ids (n,) (the target's final-norm hidden states, or for EAGLE-3 those
     entering its feature layers), from an empty cache, by the model's attention backend."""
     target = model.base_model
-    cache = TreeCache(target.config.num_hidden_layers, ids.numel())
+    cache = TreeCache.for_model(target, ids.numel())
     return decoder_outputs(target, ids, cache, causal_mask(0, ids.numel(), target.device),
                            torch.arange(ids.numel(), device=target.device), model.attention,
                            model.drafter.feature_layers)[1]
