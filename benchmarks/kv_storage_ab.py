@@ -1,5 +1,6 @@
 # A/B, one process, arms interleaved: the exact int4 target's KV cache stored fp32 (widened to fp64 at every layer) vs
 # fp64 (widened once when stored); plain decoding, 64 new tokens after a ~230-token prompt, median of 3, 2 threads.
+# The fp32 arm swaps TreeCache.for_model for this script's run only (the engine has no switch for it).
 #     python benchmarks/kv_storage_ab.py
 import time, torch
 from eagle_fsd import cache as cache_mod

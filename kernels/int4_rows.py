@@ -9,7 +9,6 @@ own kernels by ATEN_CPU_CAPABILITY (`ATEN_CPU_CAPABILITY=avx2` measures an AVX2-
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -50,21 +49,15 @@ def runnable_isas(flags: set[str], capability: str) -> list[str]:
 
 @functools.cache
 def int4_rows_isa() -> str | None:
-    """The build this machine runs: the best one its CPU allows that compiles here; None where none does."""
-    for isa in runnable_isas(_cpu_flags(), _capability()):
-        try:
-            _extension(isa)
-        except Exception:  # no compiler, no ninja, headers missing: the int8 path stays
-            return None
-        return isa
-    return None
-
-
-def _capability() -> str:
+    """The build this machine runs: the best one its CPU allows (`runnable_isas`), if it compiles here; else None."""
+    isas = runnable_isas(_cpu_flags(), torch.backends.cpu.get_cpu_capability())
+    if not isas:
+        return None
     try:
-        return torch.backends.cpu.get_cpu_capability()
-    except AttributeError:  # torch < 2.1 has no such query; the variable alone caps it
-        return os.environ.get("ATEN_CPU_CAPABILITY", "")
+        _extension(isas[0])
+    except Exception:  # no compiler, no ninja, headers missing: the int8 path stays
+        return None
+    return isas[0]
 
 
 def int4_rows_available() -> bool:
@@ -145,7 +138,8 @@ def int4_rows_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     rows = x.reshape(-1, x.shape[-1])
     if bias is not None and bias.numel() != packed.shape[0] * LANES:
         bias = torch.cat([bias.float(), bias.new_zeros(packed.shape[0] * LANES - bias.numel(), dtype=torch.float32)])
-    y = _extension(isa or _isa()).int4_rows_linear(rows.float(), packed, torch.empty(0) if bias is None else bias.float())
+    bias = torch.empty(0) if bias is None else bias.float()
+    y = _extension(isa or _isa()).int4_rows_linear(rows.float(), packed, bias)
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
