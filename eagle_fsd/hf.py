@@ -7,6 +7,7 @@ from functools import lru_cache
 import torch
 
 from eagle_fsd.attention import ForwardState
+from eagle_fsd.fused_decoder import fused_decoder_forward, runs_fused
 
 
 @lru_cache(maxsize=None)
@@ -59,6 +60,9 @@ def decoder_outputs(model, input_ids: torch.Tensor, cache, attention_mask: torch
     Sliding-window layers see the mask cut to their window (eagle_fsd.attention). Models with an attention kind the
     engine does not implement are refused once, where the engine and the drafters are built
     (eagle_fsd.attention.check_attention_support), not at every forward."""
+    if feature_layers is None and runs_fused(model):  # the same hidden states, fewer operators (fp32 Llama, Qwen2)
+        last = fused_decoder_forward(model, input_ids, cache, attention_mask, positions, backend)
+        return last, last
     decoder = model.get_decoder()
     state = forward_state(model, cache, positions, backend)
     out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],

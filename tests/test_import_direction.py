@@ -32,6 +32,7 @@ LAYER_OF = {
     "eagle_fsd.attention": "drafting",
     "eagle_fsd.cache": "drafting",
     "eagle_fsd.hf": "drafting",
+    "eagle_fsd.fused_decoder": "drafting",
     "eagle_fsd.drafters": "drafting",
     "eagle_fsd.vocab": "drafting",
     "eagle_fsd.eagle3": "drafting",

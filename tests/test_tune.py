@@ -194,6 +194,19 @@ def test_cache_key_separates_packed_kernels_and_cpu_caps(monkeypatch):
         assert packed["prepacked"] is True and tune.cache_path(packed) != tune.cache_path(plain)
 
 
+def test_cache_key_separates_the_fused_decoder_forward():
+    """A profile timed through transformers' forward is not reused for the fused one (eagle_fsd.fused_decoder)."""
+    from eagle_fsd.fused_decoder import runs_fused
+
+    model = EaFsdModel(tiny_model("llama", seed=1), None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
+    fused = tune.cache_key(model, "m", "d")
+    assert fused.get("fused_decoder") == (["target", "drafter"] if runs_fused(model.base_model) else None)
+    model.base_model.to(torch.bfloat16)
+    model.drafter.model.to(torch.bfloat16)
+    unfused = tune.cache_key(model, "m", "d")
+    assert "fused_decoder" not in unfused and tune.cache_path(unfused) != tune.cache_path(fused)
+
+
 # ----------------------------------------------------------------------------- dtype "auto"
 @pytest.mark.parametrize("packs, auto_kinds, on_kinds", [
     ({torch.float32, torch.bfloat16}, ("fp32", "fp32-packed", "bf16", "bf16-packed"), ("fp32-packed", "bf16-packed")),

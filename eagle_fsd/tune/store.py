@@ -13,6 +13,7 @@ import torch
 
 from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.files import cache_dir
+from eagle_fsd.fused_decoder import runs_fused
 from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.quant import quant_bits
 from eagle_fsd.target_quant import int4_share, is_target_quantized
@@ -42,6 +43,10 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
     if model.drafter is not None and is_target_quantized(model.drafter.module):
         share = int4_share(model.drafter.module)  # the share too: all int4 or only the 4-bit layers time apart
         key["draft_quant"] = f"int4 ({share:.0%})" if share else "int8"
+    drafter_model = getattr(model.drafter, "model", None)  # an LM drafter's
+    fused = [name for name, m in (("target", target), ("drafter", drafter_model)) if m is not None and runs_fused(m)]
+    if fused:  # the fused decoder forward (eagle_fsd.fused_decoder) times apart from transformers' forward
+        key["fused_decoder"] = fused
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key
