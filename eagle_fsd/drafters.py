@@ -25,8 +25,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from eagle_fsd.attention import ForwardState, check_attention_support
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.fused_decoder import fused_decoder_forward, runs_fused
+from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, own_product
