@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["DIVERGENCES", "DEFAULT_TOP_K", "divergence", "align_vocab"]
+__all__ = ["DIVERGENCES", "DEFAULT_TOP_K", "divergence", "kl_qp_on_support", "align_vocab"]
 
 DEFAULT_TOP_K = 50
 _LN2 = math.log(2.0)
@@ -198,6 +198,30 @@ def divergence(
     if top_k is not None:
         logp, logq = _bucket_top_k(logp, logq, top_k)
     out = fn(logp, logq)
+    return torch.where(bad, torch.full_like(out, float("nan")), out)
+
+
+def kl_qp_on_support(target_logits: Tensor, draft_logits: Tensor, support: Tensor) -> Tensor:
+    """KL(q‖p) for a draft distribution that lives on a subset S of the target's vocabulary.
+
+    p = softmax(target_logits) over the whole (..., V) row; q = softmax(draft_logits) over the (..., |S|) columns,
+    which are the target ids ``support`` (q is 0 on every other id). Because the terms of KL(q‖p) = Σ q (ln q − ln p)
+    vanish where q = 0, it is Σ_{v∈S} q_v (ln q_v − x_v + ln Z_p), x the target logits and ln Z_p their logsumexp:
+    one pass over the target row for Z_p, then |S| columns only. The same value as
+    ``divergence(target, q scattered onto V with -inf elsewhere, "kl_qp")`` up to float32 rounding (summed in
+    another order), with its edge cases: +inf where q > 0 on a token p excludes, NaN for a row with a NaN or +inf
+    logit or no finite logit, in either input.
+    """
+    if support.dim() != 1 or support.numel() != draft_logits.shape[-1]:
+        raise ValueError(f"support holds {support.numel()} ids for {draft_logits.shape[-1]} draft columns; pass the "
+                         "target id of every draft column (a 1-D tensor)")
+    target = target_logits.float()
+    log_z = torch.logsumexp(target, dim=-1, keepdim=True)
+    logp = target.index_select(-1, support) - log_z
+    logq = torch.log_softmax(draft_logits.float(), dim=-1)
+    out = _kl_qp(logp, logq)
+    # log Z_p is finite exactly when the target row has a finite logit and no NaN or +inf one.
+    bad = ~torch.isfinite(log_z[..., 0]) | torch.isnan(logq).any(dim=-1)
     return torch.where(bad, torch.full_like(out, float("nan")), out)
 
 

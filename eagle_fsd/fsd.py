@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_fsd.divergence import DIVERGENCES, align_vocab, divergence
+from eagle_fsd.divergence import DIVERGENCES, align_vocab, divergence, kl_qp_on_support
 from eagle_fsd.tree.accept import Step, accept, top_child
 from eagle_fsd.tree.dynamic import DraftTree
 
@@ -128,18 +128,28 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfi
 
     Both distributions are cut to the tokenizer's `vocab_size`: logit rows padded beyond it are not tokens. With a
     reduced draft vocabulary q is 0 outside it, so KL(p||q) (kl_pq) and legacy_js are +inf wherever p has mass
-    there (no fuzzy accept at a finite T; T = inf accepts any D but NaN); kl_qp, jsd and tv stay finite."""
-    draft = tree.draft_logprobs_over(target_logits.shape[-1])[tree.dist_index.clamp(min=0)]
-    target, draft = align_vocab(target_logits.float(), draft, vocab_size)
+    there (no fuzzy accept at a finite T; T = inf accepts any D but NaN); kl_qp, jsd and tv stay finite, and kl_qp
+    (raw distributions, full vocabulary) reads only p's log-normaliser and its draft-vocabulary columns."""
+    nodes = (tree.dist_index >= 0).nonzero()[:, 0]
+    out = torch.full((tree.size,), math.nan, device=target_logits.device)
+    if nodes.numel() == 0:
+        return out
+    rows = tree.dist_index[nodes]
+    target = target_logits[nodes]
+    if tree.draft_vocab is not None and fsd.divergence == "kl_qp" and fsd.distributions == "raw" and fsd.top_k is None:
+        inside = tree.draft_vocab < vocab_size
+        div = kl_qp_on_support(target[:, :vocab_size], tree.draft_logits[rows][:, inside], tree.draft_vocab[inside])
+        return out.index_put_((nodes,), div)
+    draft = tree.draft_logprobs_over(target_logits.shape[-1])[rows]
+    target, draft = align_vocab(target.float(), draft, vocab_size)
     if fsd.distributions == "processed" and processor is not None:
         target, draft = processor(None, target), processor(None, draft.clone())
     if fsd.top_k is None and target.is_cuda:
         from eagle_fsd.kernels import FUSED_DIVERGENCES, fused_divergence
 
         if fsd.divergence in FUSED_DIVERGENCES:
-            return torch.where(tree.dist_index >= 0, fused_divergence(target, draft, fsd.divergence), math.nan)
-    div = divergence(target, draft, fsd.divergence, top_k=fsd.top_k)
-    return torch.where(tree.dist_index >= 0, div, math.nan)
+            return out.index_put_((nodes,), fused_divergence(target, draft, fsd.divergence))
+    return out.index_put_((nodes,), divergence(target, draft, fsd.divergence, top_k=fsd.top_k))
 
 
 def exact_depth(fsd: FsdConfig, emitted: int) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_fsd.divergence import DEFAULT_TOP_K, DIVERGENCES, align_vocab, divergence
+from eagle_fsd.divergence import DEFAULT_TOP_K, DIVERGENCES, align_vocab, divergence, kl_qp_on_support
 
 NEG_INF = float("-inf")
 NAN = float("nan")
@@ -432,3 +432,51 @@ def test_align_vocab_bad():
     assert "20" in msg and "12" in msg and "vocab_size" in msg
     with pytest.raises(ValueError):
         align_vocab(t, d, 0)
+
+
+# ----------------------------------------------------------------------------- q on a subset of the vocabulary
+
+
+def scatter_onto(draft: torch.Tensor, support: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits over `vocab` ids: the given columns at `support`, -inf (q = 0) everywhere else."""
+    full = draft.new_full((*draft.shape[:-1], vocab), NEG_INF)
+    return full.index_copy(-1, support, draft)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kl_qp_on_support_equals_the_full_vocabulary_divergence(seed):
+    """Σ over S of q (ln q - ln p) with ln p's normaliser over all V: the full-vocabulary KL(q||p) of q scattered
+    onto V, and the float64 reference, on fresh random rows (some target logits -inf off and on S)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, size = 700, 150
+    support = torch.randperm(vocab, generator=g)[:size]
+    target = torch.randn(5, vocab, generator=g) * 3
+    draft = torch.randn(5, size, generator=g) * 3
+    target[1, torch.randperm(vocab, generator=g)[:200]] = NEG_INF  # p excludes some ids...
+    target[1, support] = torch.randn(size, generator=g)  # ...but none of S
+    out = kl_qp_on_support(target, draft, support)
+    full = scatter_onto(draft, support, vocab)
+    torch.testing.assert_close(out, divergence(target, full, "kl_qp"), rtol=1e-5, atol=1e-6)
+    check(out, ref("kl_qp", target, full), rtol=1e-5, atol=1e-6)
+
+
+def test_kl_qp_on_support_edge_rows():
+    """+inf where q > 0 on an id p excludes; NaN for a NaN, +inf or all -inf target row and an all -inf draft
+    row, each in its own row only; q = p on S (p 0 elsewhere) gives 0."""
+    vocab = 40
+    support = torch.arange(3, 23)
+    target = torch.randn(6, vocab, generator=torch.Generator().manual_seed(5))
+    draft = torch.randn(6, support.numel(), generator=torch.Generator().manual_seed(6))
+    target[0, support[4]] = NEG_INF  # q > 0 where p = 0
+    target[1, 0] = NAN
+    target[2, 30] = math.inf  # outside S: still no distribution
+    target[3] = NEG_INF
+    draft[4] = NEG_INF
+    target[5] = NEG_INF
+    target[5, support] = draft[5]
+    out = kl_qp_on_support(target, draft, support)
+    assert out[0] == math.inf
+    assert torch.isnan(out[1:5]).all()
+    assert out[5].item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="support holds 19 ids for 20 draft columns"):
+        kl_qp_on_support(target, draft, support[:-1])

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from eagle_fsd.drafters import LMDrafter
-from eagle_fsd.fsd import FsdConfig, fuzzy_choices
+from eagle_fsd.divergence import align_vocab, divergence
+from eagle_fsd.fsd import FsdConfig, fuzzy_choices, node_divergences
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tree.accept import accept, top_child
-from eagle_fsd.tree.dynamic import DraftTree, ancestor_table, tree_mask_from_ancestors
+from eagle_fsd.tree.dynamic import DraftPool, DraftTree, ancestor_table, select_tree, tree_mask_from_ancestors
 from tiny import hf_greedy, tiny_model
 
 
@@ -195,3 +196,26 @@ def test_exact_prefix_covering_the_reply_is_lossless():
 def test_bad_exact_prefix_names_the_value():
     with pytest.raises(ValueError, match="fsd_exact_prefix=-1"):
         FsdConfig(1.0, exact_prefix=-1)
+
+
+@pytest.mark.parametrize("name", ["kl_qp", "jsd"])
+def test_node_divergences_over_a_reduced_draft_vocabulary_node_by_node(name):
+    """Each expanded node's D is the divergence of its own target row and draft row, q scattered onto the target
+    vocabulary and both cut to the tokenizer's size (draft ids past it dropped); NaN at unexpanded nodes. kl_qp
+    takes the draft-vocabulary path, jsd the full-vocabulary one: both must give that."""
+    gen = torch.Generator().manual_seed(3)
+    width, vocab_size = 60, 50
+    draft_vocab = torch.cat([torch.randperm(50, generator=gen)[:20], torch.tensor([52, 57])])
+    # root -> pool nodes 1, 2 (depth 1); node 1 -> pool node 3 (depth 2); root and node 1 expanded
+    pool = DraftPool(tokens=draft_vocab[:3].clone(), scores=torch.tensor([-0.1, -0.7, -0.3]),
+                     parents=torch.tensor([0, 0, 1]), depths=torch.tensor([1, 1, 2]),
+                     dist_row=torch.tensor([0, 1, -1, -1]),
+                     draft_logits=torch.randn(2, draft_vocab.numel(), generator=gen) * 2, draft_vocab=draft_vocab)
+    tree = select_tree(torch.tensor(7), pool, 4, 2)
+    target_logits = torch.randn(tree.size, width, generator=gen) * 2
+    got = node_divergences(tree, target_logits, FsdConfig(1.0, name), vocab_size)
+    expanded = tree.dist_index >= 0
+    assert expanded.sum() == 2 and torch.isnan(got[~expanded]).all()
+    draft = tree.draft_logprobs_over(width)[tree.dist_index[expanded]]
+    want = divergence(*align_vocab(target_logits[expanded], draft, vocab_size), name)
+    torch.testing.assert_close(got[expanded], want, rtol=1e-5, atol=1e-6)
