@@ -11,7 +11,7 @@ import torch
 
 from eagle_fsd.prepack import pack_weight, packed_linear
 from eagle_fsd.quant import INT4_GROUP, QuantLinear
-from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa, int4_rows_linear, runnable_isas, _cpu_flags
+from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa, int4_rows_linear, runnable_isas, cpu_flags
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear
 
 HIDDEN, INTERMEDIATE = 1536, 8960
@@ -36,7 +36,7 @@ def kernels(weights):
                                         lambda x, product, isa=isa: int4_rows_linear(x, product.packed,
                                                                                      product.out_features, isa=isa),
                                         torch.float32)
-        for isa in runnable_isas(_cpu_flags(), "") if isa != int4_rows_isa()}  # the builds `auto` does not pick here
+        for isa in runnable_isas(cpu_flags(), "") if isa != int4_rows_isa()}  # the builds `auto` does not pick here
 
 
 def main():

@@ -4,9 +4,10 @@ Layout per layer: keys/values (B, H_kv, max_len, D). Slots [0, length) hold comm
 forward appends the tree's N tokens at [length, length + N); `keep(start, idx)` then moves the accepted nodes'
 entries (slots start + idx) to [start, start + len(idx)) and drops the rest. Nothing is ever reallocated.
 
-Storage dtype: as the keys arrive, or float64 for a model that attends in float64 (an exact quantized target,
-eagle_fsd.target_quant): each new key is widened once when stored instead of the whole cache at every layer of every
-forward; fp32 -> fp64 is exact, so attention sees the same numbers (`TreeCache.for_model`).
+Storage dtype: as the keys arrive, or float64 for a model that attends in float64 through transformers' layers (an
+exact quantized target that eagle_fsd.fused_decoder does not run, eagle_fsd.target_quant): each new key is widened
+once when stored instead of the whole cache at every layer of every forward; fp32 -> fp64 is exact, so attention sees
+the same numbers (`TreeCache.for_model`). The fused decoder attends in fp32 over an fp32 cache instead.
 
 Positions: committed slot i holds the token at position i, but tree entries do not (tree node j sits at position
 committed + depth(j)). Sliding-window attention needs every key's position, so TreeCache can track them
@@ -90,7 +91,9 @@ class TreeCache(Cache):
     @classmethod
     def for_model(cls, model, max_len: int) -> TreeCache:
         """A cache for every layer of `model`, stored in float64 where the model attends in float64 on a CPU."""
-        wide = getattr(model.config, FP64_ATTENTION, False) and model.device.type == "cpu"
+        from eagle_fsd.fused_decoder import runs_fused
+
+        wide = getattr(model.config, FP64_ATTENTION, False) and model.device.type == "cpu" and not runs_fused(model)
         return cls(model.config.num_hidden_layers, max_len, torch.float64 if wide else None)
 
     def track_positions(self, new_positions: torch.Tensor) -> torch.Tensor:

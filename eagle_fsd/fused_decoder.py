@@ -1,28 +1,42 @@
-"""A Llama-family decoder's forward with its elementwise steps as single C++ calls (eagle_fsd.kernels.decoder_glue),
-for fp32 models on a CPU: the target and the LM drafter.
+"""A Llama-family decoder's forward with the steps between its products as single C++ calls
+(eagle_fsd.kernels.decoder_glue), for fp32 models on a CPU: the target and the LM drafter.
 
 A decoding or draft forward holds a few tokens, so on a CPU with low-bit weights its products are cheap (a 0.5B
 drafter in int4 reads ~0.3 GB) and what surrounds them is not: transformers' layers spend about a hundred small
-operators and several Python wrappers per layer on RMSNorm, the rotary embedding, the gated MLP and the plumbing
-between them, a few microseconds each. This forward calls the model's own modules for its products, embedding,
-rotary tables and norms, the engine's cache and attention function; per layer
+operators and several Python wrappers per layer on RMSNorm, the rotary embedding, attention, the gated MLP and the
+plumbing between them, a few microseconds each. This forward calls the model's products (sibling layers sharing
+one product as one call), embedding and rotary tables, and per layer
 
     h = RMSNorm_1(x);  q, k = rope(W_q h), rope(W_k h);  v = W_v h;  x += W_o attention(q, k, v)
     h = RMSNorm_2(x);  x += W_down (silu(W_gate h) * W_up h)
 
-then the final RMSNorm. rope and silu * up round as transformers' operators do, so with `exact` (the norms run by
-the model's own modules) the hidden states equal transformers' forward to the bit: the target keeps its greedy
-output. Without it (a drafter, whose rounding moves acceptance only) the norms are one C++ call too, summed in
-another order. Supported: fp32 Llama and Qwen2 decoders without sliding windows, where the extension builds.
+then the final RMSNorm. rope and silu * up round as transformers' operators do. A float target (`exact`, attending
+through SDPA) runs transformers' norm operators (called from C++); the others run one C++ loop per norm, each row
+alone, summed in another order.
+
+Attention: a forward on top of a cached prefix (tree verification, a plain step, a draft level, a catch-up) of a
+drafter or of a quantized target (`rows_attend`) ropes, stores and attends in one C++ call per layer
+(decoder_glue.attend): fp32, each query over its visible keys in slot order, so a token gets the same bits in a tree
+as in a plain step, which is what makes a quantized target's verification lossless against its own plain decoding
+(its 8-bit rounding of activations would turn a last-bit difference into a whole step). The prompt (no prefix:
+many rows, where SDPA's blocked products pay) and float targets attend through the engine's attention function: a
+float target's hidden states then equal transformers' forward to the bit, and its greedy output is transformers'
+own. Supported: fp32 Llama and Qwen2 decoders without sliding windows, where the extension builds.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from eagle_fsd.attention import ForwardState, eagle_fsd_attention, layer_windows
-from eagle_fsd.kernels.decoder_glue import decoder_glue_available, rms_norm, rope, silu_mul
+from eagle_fsd.cache import TreeCache
+from eagle_fsd.kernels.decoder_glue import (attend, decoder_glue_available, rms_norm, rms_norm_like_transformers,
+                                            rope, silu_mul)
+from eagle_fsd.target_quant import FP64_ATTENTION, RowQuantLinear, SharedInputProduct
 
 FUSED_MODEL_TYPES = ("llama", "qwen2")
+FUSED_VERSION = 2  # 2: attention over the cache in C++ (rows_attend); tune profiles of version 1 time another forward
 
 
 def runs_fused(model) -> bool:
@@ -37,31 +51,135 @@ def runs_fused(model) -> bool:
     return all(window is None for window in layer_windows(config)) and decoder_glue_available()
 
 
+def rows_attend(model, exact: bool) -> bool:
+    """Whether a few-token forward of this fused model attends with decoder_glue.attend (fp32, each row over its
+    visible keys in a fixed order, so a token's result does not depend on the forward around it) rather than SDPA.
+    A drafter (not exact) and a target that must be row-exact (FP64_ATTENTION: a quantized target) do; a float
+    target keeps SDPA, whose bits equal transformers' forward (its own greedy output is the reference)."""
+    return not exact or getattr(model.config, FP64_ATTENTION, False)
+
+
+class LayerPlan:
+    """A decoder layer's products as the forward calls them: q | k | v and gate | up each as one product where the
+    siblings share one (eagle_fsd.target_quant.SharedInputProduct, columns in order), else their modules side by
+    side; o and down likewise called directly. Built once per layer, rebuilt when the layer's modules are replaced
+    (e.g. quantized) or switched to their float weights (eagle_fsd.prepack.unpacked)."""
+
+    def __init__(self, layer):
+        self.modules = linears(layer)
+        self.packed = packed_flags(self.modules)
+        self.qkv = shared_product(self.modules[:3])
+        self.gate_up = shared_product(self.modules[3:5])
+        self.o, self.down = own_product(self.modules[5]), own_product(self.modules[6])
+
+    def fits(self, layer) -> bool:
+        modules = linears(layer)
+        return self.modules == modules and self.packed == packed_flags(modules)
+
+
+def linears(layer) -> tuple:
+    attention, mlp = layer.self_attn, layer.mlp
+    return (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj, attention.o_proj,
+            mlp.down_proj)
+
+
+def packed_flags(modules) -> tuple:
+    """Each layer's use_packed (eagle_fsd.prepack.unpacked switches it off for a block)."""
+    return tuple(getattr(m, "use_packed", True) for m in modules)
+
+
+def own_product(layer):
+    """A RowQuantLinear's own product (fp32 in and out, as the layer returns it for fp32 input), else the layer."""
+    if isinstance(layer, RowQuantLinear) and layer.use_packed and layer.columns is None \
+            and not isinstance(layer.product, SharedInputProduct):
+        return layer.product
+    return layer
+
+
+def shared_product(siblings):
+    """The product behind sibling RowQuantLinear layers that read one input, if it is one shared product whose columns
+    are theirs in order (x -> their outputs side by side); else None."""
+    product = getattr(siblings[0], "product", None)
+    if not isinstance(product, SharedInputProduct):
+        return None
+    stop = 0
+    for layer in siblings:
+        if not (isinstance(layer, RowQuantLinear) and layer.use_packed and layer.product is product
+                and layer.columns is not None and layer.columns.start == stop):
+            return None
+        stop = layer.columns.stop
+    return product.product if product.product.out_features == stop else None
+
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer -> LayerPlan
+
+
+def layer_plan(layer) -> LayerPlan:
+    plan = _plans.get(layer)
+    if plan is None or not plan.fits(layer):
+        plan = _plans[layer] = LayerPlan(layer)
+    return plan
+
+
 def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor,
-                          positions: torch.Tensor, backend: str = "auto", exact: bool = True) -> torch.Tensor:
+                          positions: torch.Tensor, backend: str = "auto", exact: bool = True,
+                          feature_layers: tuple[int, ...] | None = None):
     """The final-norm hidden states (n, H) of input_ids (n,) at `positions` (n,), appended to `cache`, under the
-    explicit (1, 1, n, cache_len + n) bool mask: eagle_fsd.hf.decoder_forward's contract. exact: equal to it."""
+    explicit (1, 1, n, cache_len + n) bool mask: eagle_fsd.hf.decoder_forward's contract. exact: a target's forward
+    (`rows_attend` says which attention, and a float target equals transformers' forward to the bit). With
+    `feature_layers`, (those states, cat(hidden state entering layer i for i in feature_layers) (n, len * H)) as
+    eagle_fsd.hf.decoder_outputs returns them (EAGLE-3; entering layer L, past the last, is the final-norm state)."""
     decoder, config = model.get_decoder(), model.config
     n = input_ids.numel()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    start = cache.get_seq_length()
+    # on top of a cached prefix (verification, plain steps, draft levels, catch-up); a prompt goes to SDPA
+    in_rows = start > 0 and backend == "auto" and isinstance(cache, TreeCache) and rows_attend(model, exact)
+    block = attention_mask[0, 0, :, start:].contiguous() if in_rows else None
+
+    like_transformers = exact and not rows_attend(model, exact)  # a float target: transformers' bits
 
     def norm(module, x):
-        return module(x) if exact else rms_norm(x, module.weight, module.variance_epsilon)
+        if like_transformers:
+            return rms_norm_like_transformers(x, module.weight, module.variance_epsilon)
+        return rms_norm(x, module.weight, module.variance_epsilon)
 
     x = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(x[None], positions[None])
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
     state = ForwardState(backend)
+    entering = []
     for layer in decoder.layers:
+        entering.append(x)
         attention, mlp = layer.self_attn, layer.mlp
+        plan = layer_plan(layer)
         h = norm(layer.input_layernorm, x)
-        q = rope(attention.q_proj(h), cos, sin, heads)
-        k = rope(attention.k_proj(h), cos, sin, kv_heads)
-        v = attention.v_proj(h).view(1, n, kv_heads, -1).transpose(1, 2)
-        k, v = cache.update(k, v, attention.layer_idx)
-        out, _ = eagle_fsd_attention(attention, q, k, v, attention_mask, scaling=attention.scaling,
-                                     eagle_fsd_forward=state)
-        x = x + attention.o_proj(out.reshape(n, -1))
+        if in_rows:
+            storage = cache.layers[attention.layer_idx]
+            if start + n > storage.max_len:
+                raise RuntimeError(f"KV cache overflow: {start + n} tokens > preallocated {storage.max_len}")
+            qkv = plan.qkv(h) if plan.qkv is not None else torch.cat([m(h) for m in plan.modules[:3]], -1)
+            out = attend(qkv, cos, sin, storage.keys, storage.values, start,
+                         block, heads, kv_heads, attention.scaling)
+            storage.length = start + n
+        else:
+            q = rope(attention.q_proj(h), cos, sin, heads)
+            k = rope(attention.k_proj(h), cos, sin, kv_heads)
+            v = attention.v_proj(h).view(1, n, kv_heads, -1).transpose(1, 2)
+            k, v = cache.update(k, v, attention.layer_idx)
+            out, _ = eagle_fsd_attention(attention, q, k, v, attention_mask, scaling=attention.scaling,
+                                         eagle_fsd_forward=state)
+            out = out.reshape(n, -1)
+        x = x + plan.o(out)
         h = norm(layer.post_attention_layernorm, x)
-        x = x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-    return norm(decoder.norm, x)
+        if plan.gate_up is not None:
+            gate_up = plan.gate_up(h)
+            gate, up = gate_up.split(gate_up.shape[-1] // 2, -1)
+        else:
+            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+        x = x + plan.down(silu_mul(gate, up))
+    last = norm(decoder.norm, x)
+    if feature_layers is None:
+        return last
+    entering.append(last)
+    return last, torch.cat([entering[i] for i in feature_layers], dim=-1)

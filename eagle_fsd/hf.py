@@ -60,9 +60,12 @@ def decoder_outputs(model, input_ids: torch.Tensor, cache, attention_mask: torch
     Sliding-window layers see the mask cut to their window (eagle_fsd.attention). Models with an attention kind the
     engine does not implement are refused once, where the engine and the drafters are built
     (eagle_fsd.attention.check_attention_support), not at every forward."""
-    if feature_layers is None and runs_fused(model):  # the same hidden states, fewer operators (fp32 Llama, Qwen2)
-        last = fused_decoder_forward(model, input_ids, cache, attention_mask, positions, backend)
-        return last, last
+    if runs_fused(model):  # fewer operators (fp32 Llama, Qwen2): eagle_fsd.fused_decoder says what equals what
+        if feature_layers is None:
+            last = fused_decoder_forward(model, input_ids, cache, attention_mask, positions, backend)
+            return last, last
+        return fused_decoder_forward(model, input_ids, cache, attention_mask, positions, backend,
+                                     feature_layers=feature_layers)
     decoder = model.get_decoder()
     state = forward_state(model, cache, positions, backend)
     out = decoder(input_ids=input_ids[None], attention_mask=attention_mask, position_ids=positions[None],

@@ -21,8 +21,9 @@ else 7, so that FBGEMM's 16-bit pair sums cannot saturate):
 The sum is exact in int32, and every other step is elementwise, so a row's output does not depend on the other
 rows of the call: verifying a tree gives each token bit for bit what a plain decoding step of the same quantized
 model gives it, provided the layer's input is bit for bit the same too. The rounding to 8 bits would turn a
-last-bit difference of an fp32 sum into a whole step, so the quantized model attends in float64 (rounded back to
-fp32), whose result does not depend on how many queries and keys a forward holds. Decoding is lossless against that model (int8 weights, 8-bit activations, everything else fp32),
+last-bit difference of an fp32 sum into a whole step, so attention must not depend on how many queries and keys a
+forward holds either: eagle_fsd.fused_decoder (Llama, Qwen2) sums each query over its visible keys alone, in a
+fixed order; other models attend in float64 (rounded back to fp32). Decoding is lossless against that model (int8 weights, 8-bit activations, everything else fp32),
 not against the float weights. This rounds activations per row; llama.cpp rounds them per block of 256 for its
 4-bit dot products.
 

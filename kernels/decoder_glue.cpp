@@ -5,6 +5,7 @@
 //                y[h, :D/2] = a c[:D/2] - b s[:D/2],   y[h, D/2:] = b c[D/2:] + a s[D/2:]
 //                (x cos + rotate_half(x) sin), written as (1, heads, rows, D): the layout attention reads
 //     silu_mul:  y = g sigmoid(g) u   (ATen's own silu and product, called from here)
+//     attend:    a layer's attention for a few query rows on top of a cached prefix (below)
 //
 // A few rows make each step a few microseconds of arithmetic, which PyTorch spreads over several operators of
 // about as many microseconds of dispatch each; here each is one call. Every row is computed alone, in a fixed
@@ -12,7 +13,10 @@
 // sums are transformers' own (x cos + rotate_half(x) sin, each product and the sum rounded once): the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -78,10 +82,134 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   return y.mul_(up);
 }
 
+// attend: rope the rows' queries and keys, store keys and values at cache slots start .. start + n - 1, and attend.
+// Query row i of head h (key/value head g = h / (H / G)) sees every cached key before `start` and key start + j of
+// this call where block[i][j]; over those visible keys, in ascending slot order,
+//     s_j = scale (q . k_j),   out = sum_j exp(s_j - max s) v_j / sum_j exp(s_j - max s)
+// in the cache's type T (float64 for a model attending in float64, eagle_fsd.target_quant). A row's result depends
+// on its query and its visible keys only, summed over a list of them in a fixed order (masked keys are skipped, not
+// zeroed): a plain decoding step and a tree verification give a token the same bits. The work is rows x keys x dim,
+// so this is for a few rows; a prompt goes to SDPA.
+template <typename T>
+void attend_rows(const float* qkv, int64_t qkv_stride, const float* cos, const float* sin, T* keys, T* values,
+                 int64_t max_len, int64_t start, const bool* block, int64_t n, int64_t heads, int64_t kv_heads,
+                 int64_t dim, double scale, float* out) {
+  const int64_t half = dim / 2, group = heads / kv_heads;
+  std::vector<float> roped(dim);
+  for (int64_t i = 0; i < n; ++i) {  // keys and values of this call into the cache
+    const float* row = qkv + i * qkv_stride;
+    const float *c = cos + i * dim, *s = sin + i * dim;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const float* a = row + (heads + g) * dim;
+      const float* b = a + half;
+      for (int64_t j = 0; j < half; ++j) {
+        roped[j] = a[j] * c[j] - b[j] * s[j];
+        roped[half + j] = b[j] * c[half + j] + a[j] * s[half + j];
+      }
+      T* k = keys + (g * max_len + start + i) * dim;
+      T* v = values + (g * max_len + start + i) * dim;
+      const float* v_in = row + (heads + kv_heads + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        k[d] = static_cast<T>(roped[d]);
+        v[d] = static_cast<T>(v_in[d]);
+      }
+    }
+  }
+  std::vector<std::vector<int64_t>> visible(n);  // each row's visible slots, ascending
+  for (int64_t i = 0; i < n; ++i) {
+    visible[i].reserve(start + n);
+    for (int64_t j = 0; j < start; ++j) visible[i].push_back(j);
+    for (int64_t j = 0; j < n; ++j)
+      if (block[i * n + j]) visible[i].push_back(start + j);
+  }
+  const int64_t work = (start + n) * dim;  // multiply-adds of one (row, head) task, twice
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(work, 1));
+  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> q(dim), scores(start + n), acc(dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / heads, h = task % heads, g = h / group;
+      const float* row = qkv + i * qkv_stride + h * dim;
+      const float *c = cos + i * dim, *s = sin + i * dim;
+      for (int64_t j = 0; j < half; ++j) {  // rope in fp32, as the keys were
+        q[j] = static_cast<T>(row[j] * c[j] - row[half + j] * s[j]);
+        q[half + j] = static_cast<T>(row[half + j] * c[half + j] + row[j] * s[half + j]);
+      }
+      const std::vector<int64_t>& slots = visible[i];
+      const int64_t count = static_cast<int64_t>(slots.size());
+      const T* key_head = keys + g * max_len * dim;
+      const T* value_head = values + g * max_len * dim;
+      T peak = -std::numeric_limits<T>::infinity();
+      for (int64_t t = 0; t < count; ++t) {
+        const T* k = key_head + slots[t] * dim;
+        T dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+        scores[t] = dot * static_cast<T>(scale);
+        peak = std::max(peak, scores[t]);
+      }
+      T total = 0;
+      std::fill(acc.begin(), acc.end(), T(0));
+      for (int64_t t = 0; t < count; ++t) {
+        const T weight = std::exp(scores[t] - peak);
+        total += weight;
+        const T* v = value_head + slots[t] * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[d] += weight * v[d];
+      }
+      float* o = out + i * heads * dim + h * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<float>(acc[d] / total);
+    }
+  });
+}
+
+torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& keys, const torch::Tensor& values, int64_t start,
+                     const torch::Tensor& block, int64_t heads, int64_t kv_heads, double scale) {
+  check_rows(qkv, "attend qkv");
+  check_rows(cos, "attend cos");
+  check_rows(sin, "attend sin");
+  const int64_t n = qkv.size(0), dim = cos.size(1);
+  TORCH_CHECK(dim % 2 == 0 && kv_heads > 0 && heads % kv_heads == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "attend: qkv ", qkv.sizes(), " is not q | k | v of ", heads, " + 2 x ", kv_heads, " heads of width ",
+              dim);
+  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous(),
+              "attend: cos/sin ", cos.sizes(), " are not ", n, " contiguous rows");
+  TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(1) == kv_heads && keys.size(3) == dim &&
+              keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous() &&
+              values.scalar_type() == keys.scalar_type(),
+              "attend: the cache ", keys.sizes(), " is not (1, ", kv_heads, ", max_len, ", dim, ") contiguous");
+  TORCH_CHECK(start >= 0 && start + n <= keys.size(2), "attend: ", n, " rows at slot ", start,
+              " overflow the cache of ", keys.size(2));
+  TORCH_CHECK(block.scalar_type() == torch::kBool && block.dim() == 2 && block.size(0) == n && block.size(1) == n &&
+              block.is_contiguous(), "attend: block must be a contiguous (", n, ", ", n, ") bool mask");
+  auto out = torch::empty({n, heads * dim}, qkv.options());
+  const float* rows = qkv.data_ptr<float>();
+  if (keys.scalar_type() == torch::kFloat64) {
+    attend_rows<double>(rows, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<double>(),
+                        values.data_ptr<double>(), keys.size(2), start, block.data_ptr<bool>(), n, heads, kv_heads,
+                        dim, scale, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(keys.scalar_type() == torch::kFloat32, "attend: the cache must be fp32 or fp64, got ",
+                keys.scalar_type());
+    attend_rows<float>(rows, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<float>(),
+                       values.data_ptr<float>(), keys.size(2), start, block.data_ptr<bool>(), n, heads, kv_heads,
+                       dim, scale, out.data_ptr<float>());
+  }
+  return out;
+}
+
+torch::Tensor rms_norm_aten(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  // transformers' RMSNorm (Llama, Qwen2) in fp32, operator by operator: the same bits, one call from Python
+  auto variance = x.pow(2).mean(-1, true);
+  return weight * (x * at::rsqrt(variance + eps));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "w x / sqrt(mean x^2 + eps) per row");
   m.def("rope", &rope, "rotary embedding of the first heads of each row, as (1, heads, rows, dim)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("attend", &attend, "rope, cache and attend a few rows over a cached prefix");
+  m.def("rms_norm_aten", &rms_norm_aten, "transformers' fp32 RMSNorm, its operators called from C++");
 }

@@ -1,9 +1,11 @@
-"""The elementwise steps between a decoder layer's products (RMSNorm, rotary embedding, SiLU-gated product) as one
-C++ call each, for forwards of a few rows on a CPU (decoder_glue.cpp has the math).
+"""The steps between a decoder layer's products (RMSNorm, rotary embedding, SiLU-gated product, and attention over
+a cached prefix) as one C++ call each, for forwards of a few rows on a CPU (decoder_glue.cpp has the math).
 
 A C++ extension built on first use by torch.utils.cpp_extension (a C++ compiler and ninja; cached under
-TORCH_EXTENSIONS_DIR). `decoder_glue_available()` says whether it builds here; the `*_reference` functions are the
-same steps in float64, for tests.
+TORCH_EXTENSIONS_DIR), for the widest vector instructions this CPU runs (AVX-512, AVX2, or none), capped like the
+int4 kernel by ATEN_CPU_CAPABILITY. Built with -ffp-contract=off: no multiply-add is fused, so every product and sum
+rounds as written, whichever build runs. `decoder_glue_available()` says whether it builds here; the `*_reference`
+functions are the same steps in float64, for tests.
 """
 from __future__ import annotations
 
@@ -12,14 +14,33 @@ from pathlib import Path
 
 import torch
 
+from .int4_rows import CAPABILITY_ISAS, cpu_flags
+
+
+VECTOR_FLAGS = {"avx512": ("avx512f", "-mavx512f"), "avx2": ("avx2", "-mavx2")}  # build: (CPU flag, compiler flag)
+
 
 @functools.cache
-def _extension():
+def vector_isa() -> str:
+    """The build this CPU runs: "avx512", "avx2" or "generic", within torch's CPU capability."""
+    flags, capability = cpu_flags(), torch.backends.cpu.get_cpu_capability().upper()
+    allowed = CAPABILITY_ISAS.get(capability, tuple(VECTOR_FLAGS))
+    return next((isa for isa, (flag, _) in VECTOR_FLAGS.items() if isa in allowed and flag in flags), "generic")
+
+
+@functools.cache
+def _build(isa: str):
     from torch.utils import cpp_extension
     source = Path(__file__).with_name("decoder_glue.cpp")
-    # -fopenmp: at::parallel_for (a prompt's rows) is OpenMP in a header, serial without it
-    return cpp_extension.load(name="eagle_fsd_decoder_glue", sources=[str(source)], verbose=False,
-                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    vector = [VECTOR_FLAGS[isa][1]] if isa in VECTOR_FLAGS else []
+    # -fopenmp: at::parallel_for is OpenMP in a header, serial without it
+    return cpp_extension.load(name=f"eagle_fsd_decoder_glue_{isa}", sources=[str(source)], verbose=False,
+                              extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *vector],
+                              extra_ldflags=["-fopenmp"])
+
+
+def _extension():
+    return _build(vector_isa())
 
 
 @functools.cache
@@ -46,6 +67,37 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> t
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, (rows, width)."""
     return _extension().silu_mul(gate, up)
+
+
+def rms_norm_like_transformers(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' fp32 RMSNorm of Llama and Qwen2 (its operators, the same bits), one call from Python."""
+    return _extension().rms_norm_aten(x, weight, eps)
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           start: int, block: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+    """One layer's attention for the rows of qkv (n, (heads + 2 kv_heads) dim) fp32, q | k | v side by side: their
+    keys (roped by cos, sin (n, dim)) and values go to cache slots start .. start + n - 1 of keys, values
+    (1, kv_heads, max_len, dim), fp32 or fp64; row i attends to the slots before `start` and to start + j where
+    block[i, j] (n, n) bool. Returns (n, heads * dim) fp32, computed in the cache's type, each row over its visible
+    keys alone in slot order."""
+    return _extension().attend(qkv, cos, sin, keys, values, start, block, heads, kv_heads, scale)
+
+
+def attend_reference(qkv, cos, sin, keys, values, start, block, heads, kv_heads, scale):
+    """attend in float64 with torch operators, on copies of the cache: (output (n, heads * dim), keys, values)."""
+    n, dim = cos.shape
+    keys, values = keys.clone(), values.clone()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1)
+    keys[0, :, start:start + n] = rope_reference(k, cos, sin, kv_heads)[0].to(keys.dtype)
+    values[0, :, start:start + n] = v.reshape(n, kv_heads, dim).transpose(0, 1).to(values.dtype)
+    visible = torch.cat([torch.ones(n, start, dtype=torch.bool), block], 1)
+    group = heads // kv_heads
+    key, value = keys[0, :, :start + n].double(), values[0, :, :start + n].double()
+    scores = rope_reference(q, cos, sin, heads)[0] @ key.repeat_interleave(group, 0).transpose(1, 2) * scale
+    weights = scores.masked_fill(~visible, -torch.inf).softmax(-1)
+    out = weights @ value.repeat_interleave(group, 0)  # heads, n, dim
+    return out.transpose(0, 1).reshape(n, heads * dim), keys, values
 
 
 def rms_norm_reference(x, weight, eps):

@@ -22,7 +22,7 @@ ISA_FLAGS = {  # the builds, best first: the CPU flags each needs and the compil
 CAPABILITY_ISAS = {"DEFAULT": (), "AVX2": ("avx2",)}  # torch's capability -> the builds it allows (else all)
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -50,7 +50,7 @@ def runnable_isas(flags: set[str], capability: str) -> list[str]:
 @functools.cache
 def int4_rows_isa() -> str | None:
     """The build this machine runs: the best one its CPU allows (`runnable_isas`), if it compiles here; else None."""
-    isas = runnable_isas(_cpu_flags(), torch.backends.cpu.get_cpu_capability())
+    isas = runnable_isas(cpu_flags(), torch.backends.cpu.get_cpu_capability())
     if not isas:
         return None
     try:

@@ -86,6 +86,100 @@ def test_bad_shapes_name_what_was_expected():
         glue.rms_norm(x.double(), torch.randn(64), 1e-6)
 
 
+def random_tree(n, generator):
+    """(n, n) ancestor-or-self mask of a random tree whose parents come before their children, and its depths."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
+    tree = torch.eye(n, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        while parent >= 0:
+            tree[node, parent], parent = True, parents[parent]
+    return tree, tree.sum(1) - 1
+
+
+def attend_inputs(generator, n, start, heads=4, kv_heads=2, dim=16, dtype=torch.float32, max_len=40):
+    qkv = strided_rows(n, (heads + 2 * kv_heads) * dim, generator)
+    angles = torch.rand(n, dim // 2, generator=generator) * 50
+    angles = torch.cat([angles, angles], 1)
+    keys = torch.randn(1, kv_heads, max_len, dim, generator=generator).to(dtype)
+    values = torch.randn(1, kv_heads, max_len, dim, generator=generator).to(dtype)
+    return qkv, angles.cos(), angles.sin(), keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n, start", [(1, 7), (6, 11), (9, 0)])
+def test_attend_matches_float64(dtype, n, start):
+    g = torch.Generator().manual_seed(100 * n + start)
+    qkv, cos, sin, keys, values = attend_inputs(g, n, start, dtype=dtype)
+    tree, _ = random_tree(n, g)
+    want, want_keys, want_values = glue.attend_reference(qkv, cos, sin, keys, values, start, tree, 4, 2, 0.25)
+    out = glue.attend(qkv, cos, sin, keys, values, start, tree, 4, 2, 0.25)
+    assert out.shape == (n, 64) and out.dtype == torch.float32
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(keys.double(), want_keys.double(), rtol=1e-6, atol=1e-6)  # roped keys stored in place
+    assert torch.equal(values, want_values)
+    assert torch.equal(keys[:, :, start + n:], want_keys[:, :, start + n:])  # nothing past the rows written
+
+
+def test_attend_gives_a_tree_node_the_bits_of_its_branch_as_a_chain():
+    """Each node of a tree attended in one call equals the same node attended alone on top of a cache holding the
+    prefix and its ancestors only (a plain decoding step after the branch was accepted): the same bits."""
+    g = torch.Generator().manual_seed(5)
+    n, start = 7, 9
+    qkv, cos, sin, keys, values = attend_inputs(g, n, start, heads=6, kv_heads=2, dim=32)
+    tree, depths = random_tree(n, g)
+    tree_keys, tree_values = keys.clone(), values.clone()
+    out = glue.attend(qkv, cos, sin, tree_keys, tree_values, start, tree, 6, 2, 0.125)
+    for node in range(n):
+        branch = tree[node].nonzero()[:, 0]  # its ancestors and itself, root first
+        chain_keys, chain_values = keys.clone(), values.clone()
+        chain_keys[:, :, start:start + branch.numel()] = tree_keys[:, :, start + branch]
+        chain_values[:, :, start:start + branch.numel()] = tree_values[:, :, start + branch]
+        at = start + int(depths[node])
+        alone = glue.attend(qkv[node:node + 1], cos[node:node + 1], sin[node:node + 1], chain_keys, chain_values, at,
+                            torch.ones(1, 1, dtype=torch.bool), 6, 2, 0.125)
+        assert torch.equal(alone[0], out[node]), node
+
+
+def test_attend_is_independent_of_threads():
+    g = torch.Generator().manual_seed(6)
+    qkv, cos, sin, keys, values = attend_inputs(g, 12, 30, heads=8, kv_heads=2, dim=64, max_len=64)
+    tree, _ = random_tree(12, g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), 30, tree, 8, 2, 0.125)
+        torch.set_num_threads(2)
+        two = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), 30, tree, 8, 2, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_attend_bad_inputs_name_what_was_expected():
+    g = torch.Generator().manual_seed(7)
+    qkv, cos, sin, keys, values = attend_inputs(g, 3, 5)
+    tree = torch.ones(3, 3, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match="is not q | k | v of 3 \\+ 2 x 2 heads"):
+        glue.attend(qkv, cos, sin, keys, values, 5, tree, 3, 2, 0.25)
+    with pytest.raises(RuntimeError, match="overflow the cache of 40"):
+        glue.attend(qkv, cos, sin, keys, values, 38, tree, 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="must be fp32 or fp64"):
+        glue.attend(qkv, cos, sin, keys.half(), values.half(), 5, tree, 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous \\(3, 3\\) bool mask"):
+        glue.attend(qkv, cos, sin, keys, values, 5, tree.float(), 4, 2, 0.25)
+
+
+def test_rms_norm_like_transformers_is_their_module_to_the_bit():
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    g = torch.Generator().manual_seed(8)
+    module = Qwen2RMSNorm(96, eps=1e-6)
+    module.weight.data = torch.randn(96, generator=g)
+    x = torch.randn(5, 96, generator=g) * 4
+    with torch.no_grad():
+        assert torch.equal(glue.rms_norm_like_transformers(x, module.weight, 1e-6), module(x))
+
+
 def tree_blocks(generator, start):
     """A tree of 5 nodes (root 0 with children 1 and 2; 3 under 1; 4 under 3) and a one-token step, on top of a
     prompt of `start` tokens: (tokens, ancestor-or-self mask, positions) each."""
@@ -126,13 +220,11 @@ def drafter_forward(model, ids, cache, mask, positions):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["fp32", "prepacked", "int4 x int8"])
+@pytest.mark.parametrize("weights", ["fp32", "prepacked"])
 def test_exact_fused_forward_equals_transformers_to_the_bit(kind, weights):
     model = tiny_model(kind, seed=7)
     if weights == "prepacked":
         prepack_linears(model)
-    elif weights == "int4 x int8":  # an exact quantized target: 8-bit rows magnify any last-bit difference
-        quantize_target(model, four_bit=True, requantize=True)
     assert runs_fused(model)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (6,), generator=g)
@@ -142,6 +234,64 @@ def test_exact_fused_forward_equals_transformers_to_the_bit(kind, weights):
     for mine, reference in zip(ours, theirs):
         assert torch.equal(mine, reference)
     assert all(torch.equal(a, b) for a, b in zip(forwards(model, decoder_forward, prompt, blocks), ours))
+
+
+def branch_chains(model, forward, prompt, tree_block):
+    """Hidden states of each branch of the tree block (tokens, tree, positions) run as a chain on top of the prompt:
+    node -> its state at the end of its branch."""
+    tokens, tree, positions = tree_block
+    states = {}
+    for node in range(tokens.numel()):
+        branch = tree[node].nonzero()[:, 0]
+        chain = (tokens[branch], torch.ones(branch.numel(), branch.numel(), dtype=torch.bool).tril(),
+                 positions[branch])
+        states[node] = forwards(model, forward, prompt, [chain])[1][-1]
+    return states
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_quantized_target_tree_nodes_equal_their_branches_to_the_bit(kind):
+    """An exact int4 x int8 target (8-bit rows magnify any last-bit difference): every tree node's hidden state
+    equals the one its branch gets decoded as a chain, to the bit, and stays close to transformers' forward (which
+    attends in float64 and sums its norms in another order)."""
+    model = tiny_model(kind, seed=7)
+    quantize_target(model, four_bit=True, requantize=True)
+    assert runs_fused(model)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 1000, (6,), generator=g)
+    blocks = tree_blocks(g, 6)
+    ours = forwards(model, fused_decoder_forward, prompt, blocks)
+    for node, state in branch_chains(model, fused_decoder_forward, prompt, blocks[0]).items():
+        assert torch.equal(state, ours[1][node]), node
+    theirs = forwards(model, transformers_forward, prompt, blocks)
+    for mine, reference in zip(ours, theirs):
+        assert torch.allclose(mine, reference, rtol=5e-2, atol=5e-2)
+    assert all(torch.equal(a, b) for a, b in zip(forwards(model, decoder_forward, prompt, blocks), ours))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fused_features_are_the_hidden_states_entering_the_layers(quantized):
+    """EAGLE-3 features from the fused forward: what transformers' decoder reports as hidden_states[i] (a float
+    target: to the bit; a quantized one: close), the final-norm state for i = number of layers."""
+    from eagle_fsd.hf import decoder_outputs
+
+    model = tiny_model("qwen2", seed=9)
+    if quantized:
+        quantize_target(model, four_bit=True, requantize=True)
+    layers = (0, 1, model.config.num_hidden_layers)
+    ids = torch.randint(0, 1000, (5,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        last, features = decoder_outputs(model, ids, TreeCache.for_model(model, 16), causal_mask(0, 5, "cpu"),
+                                         torch.arange(5), feature_layers=layers)
+        out = model.get_decoder()(input_ids=ids[None], attention_mask=causal_mask(0, 5, "cpu"),
+                                  position_ids=torch.arange(5)[None], cache=TreeCache.for_model(model, 16),
+                                  use_cache=True, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i][0] for i in layers], -1)
+    if quantized:  # its norms are summed in another order: close, not the same bits
+        assert torch.allclose(last, out.last_hidden_state[0], rtol=5e-2, atol=5e-2)
+        assert torch.allclose(features, want, rtol=5e-2, atol=5e-2)
+    else:
+        assert torch.equal(last, out.last_hidden_state[0]) and torch.equal(features, want)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -187,3 +337,19 @@ def test_the_lm_drafter_runs_the_fused_forward_with_its_own_norms(monkeypatch):
     with torch.no_grad():
         hidden, _ = drafter._hidden(torch.tensor([5, 6]), None, causal_mask(0, 2, "cpu"), torch.arange(2))
     assert calls == [False] and hidden.shape == (2, 64)
+
+
+def test_layer_plans_call_shared_products_once_and_follow_the_unpacked_switch():
+    from eagle_fsd.fused_decoder import layer_plan
+    from eagle_fsd.prepack import unpacked
+
+    model = tiny_model("qwen2", seed=7)
+    quantize_target(model, four_bit=True, requantize=True)
+    layer = model.get_decoder().layers[0]
+    plan = layer_plan(layer)
+    assert plan.qkv is layer.self_attn.q_proj.product.product and plan.gate_up is layer.mlp.up_proj.product.product
+    assert plan.o is layer.self_attn.o_proj.product
+    with unpacked(model):  # the float weights through F.linear: every layer called as a module
+        plan = layer_plan(layer)
+        assert plan.qkv is None and plan.gate_up is None and plan.o is layer.self_attn.o_proj
+    assert layer_plan(layer).o is layer.self_attn.o_proj.product

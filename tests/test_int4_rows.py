@@ -15,7 +15,7 @@ from eagle_fsd.target_quant import (Int4Product, Int8Product, RowQuantLinear, Sh
 from tiny import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not k4.int4_rows_available(), reason="needs AVX-512 VNNI or AVX2 and a C++ compiler")
-ISAS = k4.runnable_isas(k4._cpu_flags(), "")  # every build this CPU runs, uncapped
+ISAS = k4.runnable_isas(k4.cpu_flags(), "")  # every build this CPU runs, uncapped
 
 
 def four_bit(weight: torch.Tensor) -> torch.Tensor:
@@ -224,7 +224,7 @@ def test_builds_follow_cpu_flags_and_torch_capability():
 
 def test_unavailable_without_avx2(monkeypatch):
     k4.int4_rows_isa.cache_clear()
-    monkeypatch.setattr(k4, "_cpu_flags", lambda: {"sse4_2", "fma", "f16c"})
+    monkeypatch.setattr(k4, "cpu_flags", lambda: {"sse4_2", "fma", "f16c"})
     try:
         assert not k4.int4_rows_available()
         with pytest.raises(RuntimeError, match="AVX2"):

@@ -196,11 +196,12 @@ def test_cache_key_separates_packed_kernels_and_cpu_caps(monkeypatch):
 
 def test_cache_key_separates_the_fused_decoder_forward():
     """A profile timed through transformers' forward is not reused for the fused one (eagle_fsd.fused_decoder)."""
-    from eagle_fsd.fused_decoder import runs_fused
+    from eagle_fsd.fused_decoder import FUSED_VERSION, runs_fused
 
     model = EaFsdModel(tiny_model("llama", seed=1), None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
     fused = tune.cache_key(model, "m", "d")
     assert fused.get("fused_decoder") == (["target", "drafter"] if runs_fused(model.base_model) else None)
+    assert fused.get("fused_version") == (FUSED_VERSION if runs_fused(model.base_model) else None)
     model.base_model.to(torch.bfloat16)
     model.drafter.model.to(torch.bfloat16)
     unfused = tune.cache_key(model, "m", "d")

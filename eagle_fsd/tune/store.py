@@ -13,7 +13,7 @@ import torch
 
 from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.files import cache_dir
-from eagle_fsd.fused_decoder import runs_fused
+from eagle_fsd.fused_decoder import FUSED_VERSION, runs_fused
 from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.quant import quant_bits
 from eagle_fsd.target_quant import int4_share, is_target_quantized
@@ -47,6 +47,7 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
     fused = [name for name, m in (("target", target), ("drafter", drafter_model)) if m is not None and runs_fused(m)]
     if fused:  # the fused decoder forward (eagle_fsd.fused_decoder) times apart from transformers' forward
         key["fused_decoder"] = fused
+        key["fused_version"] = FUSED_VERSION
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key
