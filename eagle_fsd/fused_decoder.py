@@ -36,7 +36,8 @@ from eagle_fsd.kernels.decoder_glue import (attend, decoder_glue_available, rms_
 from eagle_fsd.target_quant import FP64_ATTENTION, RowQuantLinear, SharedInputProduct
 
 FUSED_MODEL_TYPES = ("llama", "qwen2")
-FUSED_VERSION = 2  # 2: attention over the cache in C++ (rows_attend); tune profiles of version 1 time another forward
+FUSED_VERSION = 3  # attention over the cache in C++ (rows_attend); profiles of 1 time another forward, of 2 a drafter
+# whose deeper draft levels saw earlier levels' entries that were not their ancestors
 
 
 def runs_fused(model) -> bool:
@@ -135,7 +136,7 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     start = cache.get_seq_length()
     # on top of a cached prefix (verification, plain steps, draft levels, catch-up); a prompt goes to SDPA
     in_rows = start > 0 and backend == "auto" and isinstance(cache, TreeCache) and rows_attend(model, exact)
-    block = attention_mask[0, 0, :, start:].contiguous() if in_rows else None
+    visible = attention_mask[0, 0].contiguous() if in_rows else None  # (n, start + n): committed prefix, tree
 
     like_transformers = exact and not rows_attend(model, exact)  # a float target: transformers' bits
 
@@ -160,7 +161,7 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
                 raise RuntimeError(f"KV cache overflow: {start + n} tokens > preallocated {storage.max_len}")
             qkv = plan.qkv(h) if plan.qkv is not None else torch.cat([m(h) for m in plan.modules[:3]], -1)
             out = attend(qkv, cos, sin, storage.keys, storage.values, start,
-                         block, heads, kv_heads, attention.scaling)
+                         visible, heads, kv_heads, attention.scaling)
             storage.length = start + n
         else:
             q = rope(attention.q_proj(h), cos, sin, heads)

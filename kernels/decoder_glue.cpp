@@ -83,8 +83,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 }
 
 // attend: rope the rows' queries and keys, store keys and values at cache slots start .. start + n - 1, and attend.
-// Query row i of head h (key/value head g = h / (H / G)) sees every cached key before `start` and key start + j of
-// this call where block[i][j]; over those visible keys, in ascending slot order,
+// Query row i of head h (key/value head g = h / (H / G)) sees slot j < start + n where mask[i][j] (a committed
+// prefix, the scratch entries of earlier draft levels that are its ancestors, this call's rows); over those keys, in
+// ascending slot order,
 //     s_j = scale (q . k_j),   out = sum_j exp(s_j - max s) v_j / sum_j exp(s_j - max s)
 // in the cache's type T (float64 for a model attending in float64, eagle_fsd.target_quant). A row's result depends
 // on its query and its visible keys only, summed over a list of them in a fixed order (masked keys are skipped, not
@@ -92,7 +93,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 // so this is for a few rows; a prompt goes to SDPA.
 template <typename T>
 void attend_rows(const float* qkv, int64_t qkv_stride, const float* cos, const float* sin, T* keys, T* values,
-                 int64_t max_len, int64_t start, const bool* block, int64_t n, int64_t heads, int64_t kv_heads,
+                 int64_t max_len, int64_t start, const bool* mask, int64_t n, int64_t heads, int64_t kv_heads,
                  int64_t dim, double scale, float* out) {
   const int64_t half = dim / 2, group = heads / kv_heads;
   std::vector<float> roped(dim);
@@ -115,17 +116,17 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const float* cos, const f
       }
     }
   }
+  const int64_t width = start + n;
   std::vector<std::vector<int64_t>> visible(n);  // each row's visible slots, ascending
   for (int64_t i = 0; i < n; ++i) {
-    visible[i].reserve(start + n);
-    for (int64_t j = 0; j < start; ++j) visible[i].push_back(j);
-    for (int64_t j = 0; j < n; ++j)
-      if (block[i * n + j]) visible[i].push_back(start + j);
+    visible[i].reserve(width);
+    for (int64_t j = 0; j < width; ++j)
+      if (mask[i * width + j]) visible[i].push_back(j);
   }
-  const int64_t work = (start + n) * dim;  // multiply-adds of one (row, head) task, twice
+  const int64_t work = width * dim;  // multiply-adds of one (row, head) task, twice
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(work, 1));
   at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> q(dim), scores(start + n), acc(dim);
+    std::vector<T> q(dim), scores(width), acc(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / heads, h = task % heads, g = h / group;
       const float* row = qkv + i * qkv_stride + h * dim;
@@ -164,7 +165,7 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const float* cos, const f
 
 torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                      const torch::Tensor& keys, const torch::Tensor& values, int64_t start,
-                     const torch::Tensor& block, int64_t heads, int64_t kv_heads, double scale) {
+                     const torch::Tensor& mask, int64_t heads, int64_t kv_heads, double scale) {
   check_rows(qkv, "attend qkv");
   check_rows(cos, "attend cos");
   check_rows(sin, "attend sin");
@@ -180,19 +181,21 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& cos, const t
               "attend: the cache ", keys.sizes(), " is not (1, ", kv_heads, ", max_len, ", dim, ") contiguous");
   TORCH_CHECK(start >= 0 && start + n <= keys.size(2), "attend: ", n, " rows at slot ", start,
               " overflow the cache of ", keys.size(2));
-  TORCH_CHECK(block.scalar_type() == torch::kBool && block.dim() == 2 && block.size(0) == n && block.size(1) == n &&
-              block.is_contiguous(), "attend: block must be a contiguous (", n, ", ", n, ") bool mask");
+  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 2 && mask.size(0) == n &&
+              mask.size(1) == start + n && mask.is_contiguous(),
+              "attend: mask must be a contiguous (", n, ", ", start + n, ") bool mask, got ", mask.sizes(), " ",
+              mask.scalar_type());
   auto out = torch::empty({n, heads * dim}, qkv.options());
   const float* rows = qkv.data_ptr<float>();
   if (keys.scalar_type() == torch::kFloat64) {
     attend_rows<double>(rows, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<double>(),
-                        values.data_ptr<double>(), keys.size(2), start, block.data_ptr<bool>(), n, heads, kv_heads,
+                        values.data_ptr<double>(), keys.size(2), start, mask.data_ptr<bool>(), n, heads, kv_heads,
                         dim, scale, out.data_ptr<float>());
   } else {
     TORCH_CHECK(keys.scalar_type() == torch::kFloat32, "attend: the cache must be fp32 or fp64, got ",
                 keys.scalar_type());
     attend_rows<float>(rows, qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<float>(),
-                       values.data_ptr<float>(), keys.size(2), start, block.data_ptr<bool>(), n, heads, kv_heads,
+                       values.data_ptr<float>(), keys.size(2), start, mask.data_ptr<bool>(), n, heads, kv_heads,
                        dim, scale, out.data_ptr<float>());
   }
   return out;

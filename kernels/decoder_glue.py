@@ -75,23 +75,23 @@ def rms_norm_like_transformers(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           start: int, block: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
+           start: int, mask: torch.Tensor, heads: int, kv_heads: int, scale: float) -> torch.Tensor:
     """One layer's attention for the rows of qkv (n, (heads + 2 kv_heads) dim) fp32, q | k | v side by side: their
     keys (roped by cos, sin (n, dim)) and values go to cache slots start .. start + n - 1 of keys, values
-    (1, kv_heads, max_len, dim), fp32 or fp64; row i attends to the slots before `start` and to start + j where
-    block[i, j] (n, n) bool. Returns (n, heads * dim) fp32, computed in the cache's type, each row over its visible
-    keys alone in slot order."""
-    return _extension().attend(qkv, cos, sin, keys, values, start, block, heads, kv_heads, scale)
+    (1, kv_heads, max_len, dim), fp32 or fp64; row i attends to slot j where mask[i, j] ((n, start + n) bool).
+    Returns (n, heads * dim) fp32, computed in the cache's type, each row over its visible keys alone in slot
+    order."""
+    return _extension().attend(qkv, cos, sin, keys, values, start, mask, heads, kv_heads, scale)
 
 
-def attend_reference(qkv, cos, sin, keys, values, start, block, heads, kv_heads, scale):
+def attend_reference(qkv, cos, sin, keys, values, start, mask, heads, kv_heads, scale):
     """attend in float64 with torch operators, on copies of the cache: (output (n, heads * dim), keys, values)."""
     n, dim = cos.shape
     keys, values = keys.clone(), values.clone()
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], 1)
     keys[0, :, start:start + n] = rope_reference(k, cos, sin, kv_heads)[0].to(keys.dtype)
     values[0, :, start:start + n] = v.reshape(n, kv_heads, dim).transpose(0, 1).to(values.dtype)
-    visible = torch.cat([torch.ones(n, start, dtype=torch.bool), block], 1)
+    visible = mask
     group = heads // kv_heads
     key, value = keys[0, :, :start + n].double(), values[0, :, :start + n].double()
     scores = rope_reference(q, cos, sin, heads)[0] @ key.repeat_interleave(group, 0).transpose(1, 2) * scale

@@ -96,6 +96,11 @@ def random_tree(n, generator):
     return tree, tree.sum(1) - 1
 
 
+def prefixed(tree, start):
+    """(n, start + n): every earlier slot visible, then the tree among this call's rows."""
+    return torch.cat([torch.ones(tree.shape[0], start, dtype=torch.bool), tree], 1)
+
+
 def attend_inputs(generator, n, start, heads=4, kv_heads=2, dim=16, dtype=torch.float32, max_len=40):
     qkv = strided_rows(n, (heads + 2 * kv_heads) * dim, generator)
     angles = torch.rand(n, dim // 2, generator=generator) * 50
@@ -111,8 +116,10 @@ def test_attend_matches_float64(dtype, n, start):
     g = torch.Generator().manual_seed(100 * n + start)
     qkv, cos, sin, keys, values = attend_inputs(g, n, start, dtype=dtype)
     tree, _ = random_tree(n, g)
-    want, want_keys, want_values = glue.attend_reference(qkv, cos, sin, keys, values, start, tree, 4, 2, 0.25)
-    out = glue.attend(qkv, cos, sin, keys, values, start, tree, 4, 2, 0.25)
+    earlier = torch.rand(n, start, generator=g) < 0.7  # a draft level sees some earlier slots (its ancestors) only
+    mask = torch.cat([earlier, tree], 1)
+    want, want_keys, want_values = glue.attend_reference(qkv, cos, sin, keys, values, start, mask, 4, 2, 0.25)
+    out = glue.attend(qkv, cos, sin, keys, values, start, mask, 4, 2, 0.25)
     assert out.shape == (n, 64) and out.dtype == torch.float32
     assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.allclose(keys.double(), want_keys.double(), rtol=1e-6, atol=1e-6)  # roped keys stored in place
@@ -128,7 +135,7 @@ def test_attend_gives_a_tree_node_the_bits_of_its_branch_as_a_chain():
     qkv, cos, sin, keys, values = attend_inputs(g, n, start, heads=6, kv_heads=2, dim=32)
     tree, depths = random_tree(n, g)
     tree_keys, tree_values = keys.clone(), values.clone()
-    out = glue.attend(qkv, cos, sin, tree_keys, tree_values, start, tree, 6, 2, 0.125)
+    out = glue.attend(qkv, cos, sin, tree_keys, tree_values, start, prefixed(tree, start), 6, 2, 0.125)
     for node in range(n):
         branch = tree[node].nonzero()[:, 0]  # its ancestors and itself, root first
         chain_keys, chain_values = keys.clone(), values.clone()
@@ -136,7 +143,7 @@ def test_attend_gives_a_tree_node_the_bits_of_its_branch_as_a_chain():
         chain_values[:, :, start:start + branch.numel()] = tree_values[:, :, start + branch]
         at = start + int(depths[node])
         alone = glue.attend(qkv[node:node + 1], cos[node:node + 1], sin[node:node + 1], chain_keys, chain_values, at,
-                            torch.ones(1, 1, dtype=torch.bool), 6, 2, 0.125)
+                            torch.ones(1, at + 1, dtype=torch.bool), 6, 2, 0.125)
         assert torch.equal(alone[0], out[node]), node
 
 
@@ -147,9 +154,9 @@ def test_attend_is_independent_of_threads():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), 30, tree, 8, 2, 0.125)
+        one = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), 30, prefixed(tree, 30), 8, 2, 0.125)
         torch.set_num_threads(2)
-        two = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), 30, tree, 8, 2, 0.125)
+        two = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), 30, prefixed(tree, 30), 8, 2, 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -158,15 +165,17 @@ def test_attend_is_independent_of_threads():
 def test_attend_bad_inputs_name_what_was_expected():
     g = torch.Generator().manual_seed(7)
     qkv, cos, sin, keys, values = attend_inputs(g, 3, 5)
-    tree = torch.ones(3, 3, dtype=torch.bool).tril()
+    mask = prefixed(torch.ones(3, 3, dtype=torch.bool).tril(), 5)
     with pytest.raises(RuntimeError, match="is not q | k | v of 3 \\+ 2 x 2 heads"):
-        glue.attend(qkv, cos, sin, keys, values, 5, tree, 3, 2, 0.25)
+        glue.attend(qkv, cos, sin, keys, values, 5, mask, 3, 2, 0.25)
     with pytest.raises(RuntimeError, match="overflow the cache of 40"):
-        glue.attend(qkv, cos, sin, keys, values, 38, tree, 4, 2, 0.25)
+        glue.attend(qkv, cos, sin, keys, values, 38, prefixed(mask[:, 5:], 38), 4, 2, 0.25)
     with pytest.raises(RuntimeError, match="must be fp32 or fp64"):
-        glue.attend(qkv, cos, sin, keys.half(), values.half(), 5, tree, 4, 2, 0.25)
-    with pytest.raises(RuntimeError, match="contiguous \\(3, 3\\) bool mask"):
-        glue.attend(qkv, cos, sin, keys, values, 5, tree.float(), 4, 2, 0.25)
+        glue.attend(qkv, cos, sin, keys.half(), values.half(), 5, mask, 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous \\(3, 8\\) bool mask"):
+        glue.attend(qkv, cos, sin, keys, values, 5, mask.float(), 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous \\(3, 8\\) bool mask"):
+        glue.attend(qkv, cos, sin, keys, values, 5, mask[:, 5:].contiguous(), 4, 2, 0.25)
 
 
 def test_rms_norm_like_transformers_is_their_module_to_the_bit():
