@@ -149,9 +149,10 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     cos, sin = decoder.rotary_emb(x[None], positions[None])
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
     state = ForwardState(backend)
-    entering = []
+    entering = None if feature_layers is None else []  # the states entering each layer, for EAGLE-3 only
     for layer in decoder.layers:
-        entering.append(x)
+        if entering is not None:
+            entering.append(x)
         attention, mlp = layer.self_attn, layer.mlp
         plan = layer_plan(layer)
         h = norm(layer.input_layernorm, x)
