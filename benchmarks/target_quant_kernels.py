@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from eagle_fsd.prepack import pack_weight, packed_linear
+from eagle_fsd.prepack import pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import INT4_GROUP, QuantLinear
 from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa, int4_rows_linear, runnable_isas, cpu_flags
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear
@@ -21,9 +21,10 @@ def kernels(weights):
     """name -> (one layer per weight copy, the product, the activation dtype)."""
     int4 = [QuantLinear.from_weight(w.bfloat16(), None, 4) for w in weights]
     int8 = [QuantLinear.from_weight(w.bfloat16(), None, 8) for w in weights]
-    return {
-        "bf16 prepacked": ([pack_weight(w.bfloat16()) for w in weights], lambda x, w: packed_linear(x, w, None),
-                           torch.bfloat16),
+    bf16_packed = {"bf16 prepacked": ([pack_weight(w.bfloat16()) for w in weights],
+                                      lambda x, w: packed_linear(x, w, None), torch.bfloat16)
+                   } if prepack_supported(torch.bfloat16, "cpu") else {}  # oneDNN bf16: AVX-512 BF16 or AMX only
+    return bf16_packed | {
         "int4 weight-only": (int4, lambda x, layer: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, layer.q, INT4_GROUP, layer.scale), torch.bfloat16),  # without QuantLinear's 4-row fallback
         "int8 weight-only": (int8, lambda x, layer: torch.ops.aten._weight_int8pack_mm(x, layer.q, layer.scale),

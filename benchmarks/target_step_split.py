@@ -22,6 +22,7 @@ class TimedProduct:
         self.product, self.calls = product, calls
         self.key = (type(product).__name__, product.out_features, product.in_features)
         self.activation_bits, self.per_row = product.activation_bits, product.per_row
+        self.out_features, self.in_features = product.out_features, product.in_features
 
     def __call__(self, x):
         start = time.perf_counter()

@@ -13,7 +13,9 @@ OUT=${OUT:-benchmarks/frontier/qwen}
 # same tree.
 TREE=(--total-token 5 --depth 1 --top-k 4 --draft-vocab 37888)
 # The target keeps its float (bf16) weights: the frontier began before --target-quant auto could round it to int8.
-COMMON=(--model qwen2.5-coder-1.5b-instruct "${TREE[@]}" --target-quant off --threads 2 --max-new-token 512
+# bf16 is pinned too: every record so far is bf16 (dtype auto chose it on the AVX-512 BF16 / AMX machines), and an
+# AVX2-only CPU would resolve auto to fp32, another model.
+COMMON=(--model qwen2.5-coder-1.5b-instruct "${TREE[@]}" --target-quant off --dtype bf16 --threads 2 --max-new-token 512
         --plain-limit 20 --resume)
 # lossless and three thresholds of the best divergence from the pilot, HumanEval (all 164) and GSM8K (250, seed 0)
 eagle-fsd sweep "${COMMON[@]}" --bench humaneval gsm8k --sample 250 --fsd kl_qp:0.5,2,8 --out-dir "$OUT"
