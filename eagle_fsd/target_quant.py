@@ -47,13 +47,15 @@ with one scale, min and max of the whole call (FBGEMM's dynamic linear): one ope
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.kernels.int4_rows import GROUP, fits_int4, int4_rows_available, int4_rows_linear, pack_int4, quantize_int4
+from eagle_fsd.kernels.int4_rows import (GROUP, cpu_flags, fits_int4, int4_rows_available, int4_rows_linear, pack_int4,
+                                         quantize_int4)
 from eagle_fsd.quant import quant_bits
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -76,6 +78,25 @@ def activation_bits(cpu_flags: set[str]) -> int:
     return 8 if VNNI_FLAGS & cpu_flags else 7
 
 
+@functools.cache
+def cpu_activation_bits() -> int:
+    """`activation_bits` of this CPU: the most FBGEMM's int8 products take here without saturating."""
+    return activation_bits(cpu_flags())
+
+
+def checked_activation_bits(bits: int | None) -> int:
+    """bits, or this CPU's (None); more than this CPU sums exactly is an error (its products would saturate)."""
+    most = cpu_activation_bits()
+    if bits is None:
+        return most
+    if bits not in (7, 8):
+        raise ValueError(f"activation_bits={bits!r}: use 7 or 8, or None for this CPU's ({most})")
+    if bits > most:
+        raise ValueError(f"activation_bits={bits}: this CPU has no VNNI, so FBGEMM sums 8-bit products in 16 bits and "
+                         f"would saturate; use {most} (or None, this CPU's)")
+    return bits
+
+
 def pack_int8(weight: torch.Tensor):
     """W (out, in) rounded per output channel to int8 and packed for FBGEMM."""
     w = weight.detach().float()
@@ -90,8 +111,9 @@ class Int8Product:
     """x -> x W^T + b in fp32 through W rounded per output channel and each row of x rounded with its own scale
     (the module docstring); per_row False: all rows of a call with one (a drafter's layers)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
                  per_row: bool = True):
+        activation_bits = checked_activation_bits(activation_bits)
         self.out_features, self.in_features = weight.shape
         self.packed = pack_int8(weight)
         self.bias = None if bias is None else bias.detach().float()  # added after the row scale
@@ -141,7 +163,7 @@ def runs_int4(weight: torch.Tensor, four_bit: bool, requantize: bool) -> bool:
     return weight.shape[1] % GROUP == 0 if requantize else fits_int4(weight)
 
 
-def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8, per_row: bool = True,
+def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None, per_row: bool = True,
                  four_bit: bool = False, requantize: bool = False):
     """An Int4Product where `runs_int4` says so (rows rounded one by one whatever `per_row` says: in C++ that costs
     nothing), else an Int8Product."""
@@ -185,13 +207,13 @@ class RowQuantLinear(nn.Linear):
     use_packed: bool = True
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_bits: int = 8, per_row: bool = True,
+    def from_linear(cls, linear: nn.Linear, activation_bits: int | None = None, per_row: bool = True,
                     four_bit: bool = False, requantize: bool = False) -> RowQuantLinear:
         return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row, four_bit=four_bit,
                                requantize=requantize)  # shared, not copied
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int = 8,
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
                     product=None, columns: slice | None = None, per_row: bool = True,
                     four_bit: bool = False, requantize: bool = False) -> RowQuantLinear:
         """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own."""
@@ -215,7 +237,7 @@ class RowQuantLinear(nn.Linear):
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module reading one input
 
 
-def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int, per_row: bool = True,
+def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int | None, per_row: bool = True,
                   four_bit: bool = False, requantize: bool = False) -> int:
     """The linear layers `names` of `parent`, if all there with one input width, become RowQuantLinear columns of
     SharedInputProducts: one over those that run int4 (`runs_int4`), one over the rest; returns how many."""
@@ -242,7 +264,7 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     return len(layers)
 
 
-def quantize_target(model: nn.Module, activation_bits: int = 8, exact: bool = True, four_bit: bool = False,
+def quantize_target(model: nn.Module, activation_bits: int | None = None, exact: bool = True, four_bit: bool = False,
                     requantize: bool = False) -> int:
     """Every linear layer of `model` (plain or prepacked) becomes a RowQuantLinear, and every other parameter fp32,
     so that the activations between the quantized products stay fp32; returns how many layers. The linear weights

@@ -13,13 +13,15 @@ from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.model import EaFsdModel, exactness
 from eagle_fsd.prepack import unpacked
 from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
-from eagle_fsd.target_quant import (RowQuantLinear, activation_bits, is_target_quantized, quantize_target,
-                                    row_int8_supported)
+from eagle_fsd import target_quant
+from eagle_fsd.target_quant import (Int8Product, RowQuantLinear, activation_bits, cpu_activation_bits,
+                                    is_target_quantized, quantize_target, row_int8_supported)
 from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.tune import resolve_target_quant
 from tiny import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not row_int8_supported("cpu"), reason="this PyTorch has no FBGEMM int8 linear")
+BITS = [bits for bits in (8, 7) if bits <= cpu_activation_bits()]  # 8 needs VNNI (32-bit sums of 8-bit products)
 
 
 def random_linear(out_f, in_f, bias, g, dtype=torch.float32):
@@ -44,7 +46,7 @@ def rounding_bound(x: torch.Tensor, w: torch.Tensor, levels: int, per_row: bool 
     return bound * (1 + 1e-5) + 1e-5 * (x.abs() @ w.abs().t())
 
 
-@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_row_int8_within_rounding_bound_of_float64(bits, bias, rows):
@@ -62,7 +64,7 @@ def test_row_int8_within_rounding_bound_of_float64(bits, bias, rows):
     assert error.max() > 0  # it does round: not the float product under another name
 
 
-@pytest.mark.parametrize("bits", [8, 7])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_drafter_layers_round_each_call_with_one_scale(bits, bias):
     """A drafter's layers (quantize_target exact=False): the call rounded as one, within the bound its largest |x|
@@ -80,9 +82,23 @@ def test_drafter_layers_round_each_call_with_one_scale(bits, bias):
     assert (layer(x[:5]).double() - want[:5]).abs().max() < error[:5].max()
 
 
+def test_activation_bits_beyond_the_cpu_are_an_error(monkeypatch):
+    """Without VNNI FBGEMM sums 8-bit products in 16 bits and saturates: 8 bits there is refused by name, None is
+    the CPU's own, and only 7 or 8 exist."""
+    weight = torch.randn(32, 64)
+    monkeypatch.setattr(target_quant, "cpu_activation_bits", lambda: 7)  # an AVX2-only CPU
+    with pytest.raises(ValueError, match=r"activation_bits=8: this CPU has no VNNI.*use 7"):
+        Int8Product(weight, None, 8)
+    with pytest.raises(ValueError, match=r"activation_bits=6: use 7 or 8"):
+        Int8Product(weight, None, 6)
+    assert Int8Product(weight, None).activation_bits == 7 == RowQuantLinear.from_weight(weight, None).activation_bits
+    monkeypatch.setattr(target_quant, "cpu_activation_bits", lambda: 8)  # VNNI
+    assert Int8Product(weight, None).activation_bits == 8 and Int8Product(weight, None, 7).activation_bits == 7
+
+
 def test_quantized_drafter_rounds_per_call_and_attends_in_fp32():
     model = tiny_model("qwen2", seed=5)
-    quantize_target(model, 8, exact=False)
+    quantize_target(model, exact=False)
     products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}
     assert products and not any(p.per_row for p in products.values())
     assert getattr(model.config, "eagle_fsd_fp64_attention") is False
@@ -90,7 +106,7 @@ def test_quantized_drafter_rounds_per_call_and_attends_in_fp32():
     drafter.set_draft_vocab(torch.arange(0, model.config.vocab_size, 3))  # its lm_head's rows: rounded the same way
     assert drafter.draft_head.quant.product.per_row is False
     target = tiny_model("qwen2", seed=5)
-    quantize_target(target, 8)
+    quantize_target(target)
     assert all(m.product.per_row for m in target.modules() if isinstance(m, RowQuantLinear))
     assert getattr(target.config, "eagle_fsd_fp64_attention") is True
 
@@ -276,9 +292,9 @@ def test_siblings_share_one_product_with_unchanged_results():
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     alone = {name: RowQuantLinear.from_linear(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj")}
     alone |= {name: RowQuantLinear.from_linear(getattr(mlp, name)) for name in ("gate_proj", "up_proj")}
-    assert share_product(attention, ("q_proj", "k_proj", "v_proj"), 8) == 3
-    assert share_product(mlp, ("gate_proj", "up_proj"), 8) == 2
-    assert share_product(mlp, ("gate_proj", "up_proj"), 8) == 0  # already shared
+    assert share_product(attention, ("q_proj", "k_proj", "v_proj"), None) == 3
+    assert share_product(mlp, ("gate_proj", "up_proj"), None) == 2
+    assert share_product(mlp, ("gate_proj", "up_proj"), None) == 0  # already shared
     assert isinstance(attention.k_proj.product, SharedInputProduct) and attention.k_proj.product is attention.q_proj.product
     g = torch.Generator().manual_seed(2)
     for rows in (1, 6):
