@@ -41,6 +41,15 @@ a 105 MB L3:
 Layers whose weights are not 4-bit (Q4_K_M keeps some at 6 bits, and the embedding) stay int8 as above; the 4-bit
 ones keep the GGUF's values up to the fp16 rounding of their group scales and minima.
 
+Where the CPU's best build is AVX2 (no VNNI: 7-bit activations), the int8 layers run eagle_fsd.kernels.int8_rows,
+the same formula summed exactly in int32, instead of FBGEMM, whose operator costs 40-70 us a call there and reads a
+layer no faster than its weights allow only for large ones. 2 threads of an AVX2-only AMD EPYC, weights from memory,
+ms at 1 / 2 / 4 / 5 / 8 rows (benchmarks/row_kernels_probe.py, one run):
+
+                                    int8_rows                              FBGEMM
+    256 x 1536 (a v projection)     0.052 / 0.049 / 0.057 / 0.063 / 0.087  0.120 / 0.138 / 0.144 / 0.132 / 0.147
+    1536 x 8960 (a down projection) 0.633 / 0.632 / 0.671 / 0.849 / 1.206  0.728 / 0.766 / 0.810 / 0.980 / 1.300
+
 A drafter needs no such exactness (its rounding only moves acceptance), so its layers round each call's activations
 with one scale, min and max of the whole call (FBGEMM's dynamic linear): one operator instead of six, which on a
 0.5B drafter's few-row forwards is a measurable share of the step.
@@ -56,6 +65,7 @@ from torch import nn
 
 from eagle_fsd.kernels.int4_rows import (GROUP, cpu_flags, fits_int4, int4_rows_available, int4_rows_linear, pack_int4,
                                          quantize_int4)
+from eagle_fsd.kernels.int8_rows import int8_rows_available, int8_rows_linear, pack_int8_rows, quantize_int8
 from eagle_fsd.quant import quant_bits
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -109,21 +119,30 @@ def pack_int8(weight: torch.Tensor):
 
 class Int8Product:
     """x -> x W^T + b in fp32 through W rounded per output channel and each row of x rounded with its own scale
-    (the module docstring); per_row False: all rows of a call with one (a drafter's layers)."""
+    (the module docstring); per_row False: all rows of a call with one (a drafter's layers). Row-rounded 7-bit layers
+    run eagle_fsd.kernels.int8_rows where this CPU's best build is AVX2 (avx2 None), or where avx2 is True; FBGEMM
+    elsewhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
-                 per_row: bool = True):
+                 per_row: bool = True, avx2: bool | None = None):
         activation_bits = checked_activation_bits(activation_bits)
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_int8(weight)
         self.bias = None if bias is None else bias.detach().float()  # added after the row scale
         self.activation_bits = activation_bits
         self.levels = 2 ** (activation_bits - 1) - 1  # r: the largest |u - z|
         self.per_row = per_row
+        self.avx2 = per_row and activation_bits == 7 and (int8_rows_available() if avx2 is None else avx2)
+        if self.avx2:
+            self.packed, self.qsum, self.scale = pack_int8_rows(*quantize_int8(weight))
+            self.padded_bias = None if bias is None else F.pad(self.bias, (0, self.scale.numel() - self.out_features))
+        else:
+            self.packed = pack_int8(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError("int8 layers run on the CPU only; quantize the target after moving it")
+        if self.avx2:
+            return int8_rows_linear(x, self.packed, self.qsum, self.scale, self.out_features, self.padded_bias)
         rows = x.reshape(-1, self.in_features).float()
         if not self.per_row:  # u = round((x - lo) / s), s = (hi - lo) / 255 over the call (/ 127 for 7 bits)
             y = torch.ops.quantized.linear_dynamic(rows, self.packed, self.activation_bits < 8)
@@ -301,6 +320,12 @@ def int4_share(model: nn.Module) -> float:
     inner = [own_product(p) for p in products]
     total = sum(p.out_features * p.in_features for p in inner)
     return sum(p.out_features * p.in_features for p in inner if isinstance(p, Int4Product)) / total if total else 0.0
+
+
+def runs_int8_rows(model: nn.Module) -> bool:
+    """Some of a quantized model's int8 layers run eagle_fsd.kernels.int8_rows (not FBGEMM)."""
+    products = (own_product(m.product) for m in model.modules() if isinstance(m, RowQuantLinear))
+    return any(isinstance(p, Int8Product) and p.avx2 for p in products)
 
 
 def is_target_quantized(model: nn.Module) -> bool:

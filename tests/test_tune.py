@@ -208,6 +208,25 @@ def test_cache_key_separates_the_fused_decoder_forward():
     assert "fused_decoder" not in unfused and tune.cache_path(unfused) != tune.cache_path(fused)
 
 
+def test_cache_key_separates_the_int8_kernel(monkeypatch):
+    """A profile timed with FBGEMM's int8 layers is not reused once they run eagle_fsd.kernels.int8_rows."""
+    from eagle_fsd import target_quant
+    from eagle_fsd.kernels.int8_rows import int8_rows_runnable
+
+    if not (target_quant.row_int8_supported("cpu") and int8_rows_runnable()):
+        pytest.skip("needs FBGEMM's int8 linear, AVX2 and a C++ compiler")
+    monkeypatch.setattr(target_quant, "cpu_activation_bits", lambda: 7)  # the int8 layers of a CPU without VNNI
+    keys = {}
+    for avx2 in (False, True):
+        monkeypatch.setattr(target_quant, "int8_rows_available", lambda: avx2)
+        target = tiny_model("llama", seed=1)
+        target_quant.quantize_target(target)
+        model = EaFsdModel(target, None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
+        keys[avx2] = tune.cache_key(model, "m", "d")
+    assert "int8_kernel" not in keys[False] and keys[True]["int8_kernel"] == "int8_rows"
+    assert tune.cache_path(keys[True]) != tune.cache_path(keys[False])
+
+
 # ----------------------------------------------------------------------------- dtype "auto"
 @pytest.mark.parametrize("packs, auto_kinds, on_kinds", [
     ({torch.float32, torch.bfloat16}, ("fp32", "fp32-packed", "bf16", "bf16-packed"), ("fp32-packed", "bf16-packed")),

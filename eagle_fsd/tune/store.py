@@ -16,7 +16,7 @@ from eagle_fsd.files import cache_dir
 from eagle_fsd.fused_decoder import FUSED_VERSION, runs_fused
 from eagle_fsd.prepack import is_prepacked
 from eagle_fsd.quant import quant_bits
-from eagle_fsd.target_quant import int4_share, is_target_quantized
+from eagle_fsd.target_quant import int4_share, is_target_quantized, runs_int8_rows
 from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import describe_age
@@ -35,6 +35,8 @@ def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = N
         key["prepacked"] = True
     if is_target_quantized(target):
         key["target_quant"] = "int4" if int4_share(target) else "int8"
+        if runs_int8_rows(target):  # its int8 layers run eagle_fsd.kernels.int8_rows, not FBGEMM
+            key["int8_kernel"] = "int8_rows"
     capped = {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ}
     if capped:  # an instruction-set cap changes every timing (e.g. emulating an AVX2-only CPU)
         key["cpu_caps"] = capped

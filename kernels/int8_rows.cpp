@@ -1,0 +1,126 @@
+// y = x W^T for 8-bit weights and 7-bit activations rounded per row, on CPUs with AVX2 and no VNNI: the target's
+// int8 x int8 product (eagle_fsd.target_quant) at the pace of its weight reads, where FBGEMM's operator costs a
+// fixed 40-70 us a call and reads a few rows no faster than it computes many.
+//
+// Weights, per output channel o: W_oj ~ s_o q_oj, q in -127..127, s fp32. Activations, per row i, r = 63, z = 64:
+//
+//     u_ij = round(r x_ij / m_i) + z   (1..127),   m_i = max_j |x_ij|
+//     y_io = (m_i / r) s_o (P_io - z Q_o) + bias_o,   P_io = sum_j q_oj u_ij,   Q_o = sum_j q_oj
+//
+// One vpmaddubsw multiplies the unsigned u by the signed q and adds pairs in int16: |2 * 127 * 127| = 32258 < 2^15,
+// so no pair saturates (8-bit u could: that is why these CPUs take 7 bits), and one vpmaddwd by ones widens the pairs
+// to int32 at once. P and Q are exact; every float step is per element; the work is split over output channels only:
+// a row's output depends on that row alone, never on how many rows share the call or how many threads run it.
+//
+// Layout (eagle_fsd.kernels.int8_rows.pack_int8_rows): channels in blocks of 16, inputs in chunks of 4; for block b
+// and chunk c, 64 bytes, byte 4l + t = q of channel 16b + l at input 4c + t. Lanes 0-7 and 8-15 are each 32 bytes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int kLanes = 16, kChunk = 4, kRowsPerPass = 4, kLevels = 63, kZero = 64;
+
+// u (rows, chunks * 4): the rounded rows, inputs past k at z (value 0); a (rows): m_i / r
+void round_rows(const float* x, int64_t rows, int64_t k, int64_t width, uint8_t* u, float* a) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* xi = x + i * k;
+    float peak = 0.f;
+    for (int64_t j = 0; j < k; ++j) peak = std::max(peak, std::fabs(xi[j]));
+    peak = std::max(peak, 1e-30f);
+    const float scale = static_cast<float>(kLevels) / peak;
+    a[i] = peak / static_cast<float>(kLevels);
+    uint8_t* ui = u + i * width;
+    for (int64_t j = 0; j < k; ++j)
+      ui[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(xi[j] * scale)) + kZero);
+    for (int64_t j = k; j < width; ++j) ui[j] = kZero;
+  }
+}
+
+// channels [16 b, 16 b + 16) of rows [r0, r0 + R): R rows share each 64-byte load of the block's codes
+template <int R>
+void block_product(const int8_t* packed, int64_t b, int64_t chunks, const uint8_t* u, const int32_t* qsum,
+                   const float* scale, const float* a, const float* bias, int64_t n, int64_t r0, float* y) {
+  __m256i acc[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < R; ++i) acc[h][i] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t width = chunks * kChunk;
+  const int8_t* block = packed + b * chunks * 64;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int8_t* w = block + c * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 64), _MM_HINT_T0);
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+    for (int i = 0; i < R; ++i) {
+      int32_t four;  // u of inputs 4c .. 4c + 3 of row r0 + i
+      std::memcpy(&four, u + (r0 + i) * width + c * kChunk, 4);
+      const __m256i ui = _mm256_set1_epi32(four);
+      acc[0][i] = _mm256_add_epi32(acc[0][i], _mm256_madd_epi16(_mm256_maddubs_epi16(ui, q0), ones));
+      acc[1][i] = _mm256_add_epi32(acc[1][i], _mm256_madd_epi16(_mm256_maddubs_epi16(ui, q1), ones));
+    }
+  }
+  const __m256i zero_point = _mm256_set1_epi32(kZero);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t lane0 = b * kLanes + 8 * h;
+    const __m256i q_sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qsum + lane0));
+    const __m256i offset = _mm256_mullo_epi32(zero_point, q_sum);  // z Q_o
+    const __m256 s = _mm256_loadu_ps(scale + lane0);
+    const __m256 beta = bias ? _mm256_loadu_ps(bias + lane0) : _mm256_setzero_ps();
+    for (int i = 0; i < R; ++i) {
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[h][i], offset));  // P - z Q, exact in int32
+      _mm256_storeu_ps(y + (r0 + i) * n + lane0, _mm256_fmadd_ps(_mm256_mul_ps(p, s), _mm256_set1_ps(a[r0 + i]), beta));
+    }
+  }
+}
+
+}  // namespace
+
+// x (rows, k) fp32; packed (n / 16, chunks, 64) int8; qsum, scale (n) int32, fp32; bias (n) fp32 or empty;
+// returns (rows, n) fp32
+torch::Tensor int8_rows_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor qsum, torch::Tensor scale,
+                               torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: (rows, k) float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == torch::kInt8,
+              "packed: (n / 16, chunks, 64) int8 from pack_int8_rows");
+  const int64_t rows = x.size(0), k = x.size(1), chunks = packed.size(1), n = packed.size(0) * kLanes;
+  TORCH_CHECK(k <= chunks * kChunk && k > (chunks - 1) * kChunk, "x has ", k, " inputs, the packed weight ",
+              chunks * kChunk, " (in chunks of 4)");
+  TORCH_CHECK(qsum.numel() == n && qsum.scalar_type() == torch::kInt32, "qsum: (n) int32");
+  TORCH_CHECK(scale.numel() == n && scale.scalar_type() == torch::kFloat32, "scale: (n) float32");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == n && bias.scalar_type() == torch::kFloat32), "bias: (n) float32");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  qsum = qsum.contiguous();
+  scale = scale.contiguous();
+  const int64_t width = chunks * kChunk;
+  auto u = torch::empty({rows, width}, torch::kUInt8);
+  auto a = torch::empty({rows}, torch::kFloat32);
+  round_rows(x.data_ptr<float>(), rows, k, width, u.data_ptr<uint8_t>(), a.data_ptr<float>());
+  auto y = torch::empty({rows, n}, torch::kFloat32);
+  const float* beta = bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const uint8_t* up = u.data_ptr<uint8_t>();
+  const int32_t* qp = qsum.data_ptr<int32_t>();
+  const float *sp = scale.data_ptr<float>(), *ap = a.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n / kLanes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+        switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
+          case 1: block_product<1>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp); break;
+          case 2: block_product<2>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp); break;
+          case 3: block_product<3>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp); break;
+          default: block_product<4>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp);
+        }
+      }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("int8_rows_linear", &int8_rows_linear, "8-bit weights x 7-bit row-rounded activations (AVX2)");
+}
