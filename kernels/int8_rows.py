@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle_fsd.kernels.int4_rows import ISA_FLAGS, cpu_flags, runnable_isas
+from .int4_rows import ISA_FLAGS, cpu_flags, runnable_isas
 
 LANES, CHUNK = 16, 4  # channels per block, inputs per chunk
 LEVELS, ZERO = 63, 64  # r and z of 7-bit activations: u = round(r x / max |x|) + z in 1..127
