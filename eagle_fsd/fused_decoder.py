@@ -22,9 +22,16 @@ as in a plain step, which is what makes a quantized target's verification lossle
 many rows, where SDPA's blocked products pay) and float targets attend through the engine's attention function: a
 float target's hidden states then equal transformers' forward to the bit, and its greedy output is transformers'
 own. Supported: fp32 Llama and Qwen2 decoders without sliding windows, where the extension builds.
+
+One call: where every layer product is one of our own kernels (int4_rows, wherever it builds; int8_rows, where the
+CPU's best build is AVX2), a forward on top of a cached prefix is a single C++ call (decoder_glue.rows_forward,
+planned once per model by `RowsPlan`): the same steps on the same operands in the same order, so the same bits,
+without the ~60 operators and Python calls per layer between them. A drafter (all int4) always takes it, a quantized
+target on AVX2-only CPUs; FBGEMM's int8 layers (VNNI CPUs), float targets and EAGLE-3 features run layer by layer.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -32,12 +39,14 @@ import torch
 from eagle_fsd.attention import ForwardState, eagle_fsd_attention, layer_windows
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.kernels.decoder_glue import (attend, decoder_glue_available, rms_norm, rms_norm_like_transformers,
-                                            rope, silu_mul)
-from eagle_fsd.target_quant import FP64_ATTENTION, RowQuantLinear, SharedInputProduct
+                                            rope, rows_forward, silu_mul)
+from eagle_fsd.target_quant import FP64_ATTENTION, RowQuantLinear, SharedInputProduct, kernel_call
+from eagle_fsd.target_quant import own_product as inner_product
 
 FUSED_MODEL_TYPES = ("llama", "qwen2")
-FUSED_VERSION = 3  # attention over the cache in C++ (rows_attend); profiles of 1 time another forward, of 2 a drafter
-# whose deeper draft levels saw earlier levels' entries that were not their ancestors
+FUSED_VERSION = 4  # 4: a few-row forward of own kernels in one C++ call (RowsPlan); 3: attention over the cache in
+# C++ (rows_attend); profiles of 1 time another forward, of 2 a drafter whose deeper draft levels saw earlier levels'
+# entries that were not their ancestors
 
 
 def runs_fused(model) -> bool:
@@ -122,6 +131,87 @@ def layer_plan(layer) -> LayerPlan:
     return plan
 
 
+PARTS = ((0, 1, 2), (5,), (3, 4), (6,))  # LayerPlan.modules of q | k | v, o, gate | up, down: rows_forward's parts
+
+
+class RowsPlan:
+    """A decoder as eagle_fsd.kernels.decoder_glue.rows_forward runs it, in one C++ call per forward: every layer
+    product an own kernel (`kernel_call`: int4_rows, or int8_rows where it runs), each part's products writing their
+    columns side by side in module order. `calls` is None where some product is not such a kernel (FBGEMM, a float
+    layer) or the norms differ in epsilon: the forward then runs layer by layer from Python."""
+
+    def __init__(self, decoder, plans: list[LayerPlan]):
+        self.plans = plans
+        self.calls, self.weights = [], []
+        norms = [m for layer in decoder.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(decoder.norm)
+        self.norms = [m.weight.detach() for m in norms]
+        self.eps = norms[-1].variance_epsilon
+        if any(m.variance_epsilon != self.eps for m in norms):
+            self.calls = None
+            return
+        for index, plan in enumerate(plans):
+            for part, members in enumerate(PARTS):
+                placed = placed_products([plan.modules[i] for i in members])
+                if placed is None:
+                    self.calls = None
+                    return
+                for product, offset in placed:
+                    entry, tensors, inner = kernel_call(product)
+                    self.calls.append([index, part, entry, product.in_features, tensors[0].shape[0], inner, offset])
+                    self.weights += tensors
+
+    def fits(self, plans: list[LayerPlan]) -> bool:
+        return len(plans) == len(self.plans) and all(a is b for a, b in zip(plans, self.plans))
+
+
+def placed_products(modules) -> list[tuple[object, int]] | None:
+    """The kernel products behind sibling layers whose outputs sit side by side in module order, each with the column
+    where its output starts: a shared product must cover its readers' columns exactly, in order. None where a layer is
+    not a packed RowQuantLinear or its product not a `kernel_call` one."""
+    placed, offset = [], 0  # [product, where its output starts, columns its readers cover]
+    for module in modules:
+        if not (isinstance(module, RowQuantLinear) and module.use_packed):
+            return None
+        product = inner_product(module.product)
+        if kernel_call(product) is None:
+            return None
+        first = 0 if module.columns is None else module.columns.start
+        if first == 0:
+            placed.append([product, offset, 0])
+        if not placed or placed[-1][0] is not product or placed[-1][1] + first != offset:
+            return None
+        placed[-1][2] += module.out_features
+        offset += module.out_features
+    if any(covered != product.out_features for product, _, covered in placed):
+        return None
+    return [(product, start) for product, start, _ in placed]
+
+
+_one_call = [True]
+
+
+@contextlib.contextmanager
+def layer_by_layer():
+    """Inside, forwards run layer by layer from Python, never as one rows_forward call: its reference (tests, A/Bs)."""
+    _one_call[0] = False
+    try:
+        yield
+    finally:
+        _one_call[0] = True
+
+
+_rows_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> RowsPlan
+
+
+def rows_plan(decoder) -> RowsPlan:
+    plans = [layer_plan(layer) for layer in decoder.layers]
+    plan = _rows_plans.get(decoder)
+    if plan is None or not plan.fits(plans):
+        plan = _rows_plans[decoder] = RowsPlan(decoder, plans)
+    return plan
+
+
 def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor,
                           positions: torch.Tensor, backend: str = "auto", exact: bool = True,
                           feature_layers: tuple[int, ...] | None = None):
@@ -129,7 +219,9 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     explicit (1, 1, n, cache_len + n) bool mask: eagle_fsd.hf.decoder_forward's contract. exact: a target's forward
     (`rows_attend` says which attention, and a float target equals transformers' forward to the bit). With
     `feature_layers`, (those states, cat(hidden state entering layer i for i in feature_layers) (n, len * H)) as
-    eagle_fsd.hf.decoder_outputs returns them (EAGLE-3; entering layer L, past the last, is the final-norm state)."""
+    eagle_fsd.hf.decoder_outputs returns them (EAGLE-3; entering layer L, past the last, is the final-norm state).
+    On top of a cached prefix the whole forward is one C++ call where `RowsPlan` allows (the same steps and bits as
+    layer by layer, which `layer_by_layer()` keeps, for tests and A/Bs)."""
     decoder, config = model.get_decoder(), model.config
     n = input_ids.numel()
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -148,6 +240,11 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     x = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(x[None], positions[None])
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
+    if in_rows and _one_call[0] and feature_layers is None:
+        plan = rows_plan(decoder)
+        if plan.calls is not None:
+            return rows_in_one_call(decoder, plan, x, cache, cos, sin, start, visible, heads, kv_heads,
+                                    config.intermediate_size)
     state = ForwardState(backend)
     entering = None if feature_layers is None else []  # the states entering each layer, for EAGLE-3 only
     for layer in decoder.layers:
@@ -185,3 +282,18 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
         return last
     entering.append(last)
     return last, torch.cat([entering[i] for i in feature_layers], dim=-1)
+
+
+def rows_in_one_call(decoder, plan: RowsPlan, x, cache, cos, sin, start: int, visible, heads: int, kv_heads: int,
+                     intermediate: int) -> torch.Tensor:
+    """fused_decoder_forward's rows on top of a cached prefix through decoder_glue.rows_forward."""
+    storages = [cache.layers[layer.self_attn.layer_idx] for layer in decoder.layers]
+    n = x.shape[0]
+    if start + n > storages[0].max_len:
+        raise RuntimeError(f"KV cache overflow: {start + n} tokens > preallocated {storages[0].max_len}")
+    last = rows_forward(x.float().contiguous(), plan.calls, plan.weights, plan.norms, plan.eps, cos, sin,
+                        [s.keys for s in storages], [s.values for s in storages], start, visible, heads, kv_heads,
+                        decoder.layers[0].self_attn.scaling, intermediate)
+    for storage in storages:
+        storage.length = start + n
+    return last

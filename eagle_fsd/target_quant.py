@@ -63,9 +63,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.kernels.int4_rows import (GROUP, cpu_flags, fits_int4, int4_rows_available, int4_rows_linear, pack_int4,
-                                         quantize_int4)
-from eagle_fsd.kernels.int8_rows import int8_rows_available, int8_rows_linear, pack_int8_rows, quantize_int8
+from eagle_fsd.kernels.int4_rows import (GROUP, LANES, cpu_flags, fits_int4, int4_rows_available, int4_rows_entry,
+                                         int4_rows_linear, pack_int4, quantize_int4)
+from eagle_fsd.kernels.int8_rows import (int8_rows_available, int8_rows_entry, int8_rows_linear, pack_int8_rows,
+                                         quantize_int8)
 from eagle_fsd.quant import quant_bits
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -215,6 +216,22 @@ class SharedInputProduct:
 def own_product(product):
     """The Int4Product / Int8Product behind `product` (a SharedInputProduct's, or itself)."""
     return product.product if isinstance(product, SharedInputProduct) else product
+
+
+def kernel_call(product) -> tuple[int, list[torch.Tensor], int] | None:
+    """How eagle_fsd.kernels.decoder_glue.rows_forward calls an Int4Product or int8_rows Int8Product from C++: (the
+    kernel's entry address, [packed, qsum, scale, bias] (empty where unused), groups or chunks); None for a product it
+    cannot call (FBGEMM, or outputs that are not whole blocks of 16 channels)."""
+    empty = torch.empty(0)
+    if product.out_features % LANES:
+        return None
+    if isinstance(product, Int4Product):
+        bias = empty if product.bias is None else product.bias.contiguous()
+        return int4_rows_entry(), [product.packed, empty, empty, bias], product.packed.shape[1]
+    if isinstance(product, Int8Product) and product.avx2:
+        bias = empty if product.padded_bias is None else product.padded_bias.contiguous()
+        return int8_rows_entry(), [product.packed, product.qsum, product.scale, bias], product.packed.shape[1]
+    return None
 
 
 class RowQuantLinear(nn.Linear):

@@ -27,17 +27,13 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, ": expected a 2-D fp32 CPU tensor with contiguous rows, got ", x.sizes(), " ", x.scalar_type());
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm x");
-  const int64_t rows = x.size(0), width = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == width,
-              "rms_norm weight: expected ", width, " contiguous fp32 values");
-  auto y = torch::empty({rows, width}, x.options());
-  const float* w = weight.data_ptr<float>();
+// y (rows, width) = w x / sqrt(mean x^2 + eps) per row of x (rows, width; row stride x_stride)
+void rms_norm_rows(const float* x, int64_t x_stride, int64_t rows, int64_t width, const float* w, double eps,
+                   float* y) {
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* xi = x.data_ptr<float>() + i * x.stride(0);
-      float* yi = y.data_ptr<float>() + i * width;
+      const float* xi = x + i * x_stride;
+      float* yi = y + i * width;
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t j = 0; j < width; ++j) squares += xi[j] * xi[j];
@@ -46,6 +42,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
       for (int64_t j = 0; j < width; ++j) yi[j] = w[j] * (xi[j] * inv);
     }
   });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm x");
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == width,
+              "rms_norm weight: expected ", width, " contiguous fp32 values");
+  auto y = torch::empty({rows, width}, x.options());
+  rms_norm_rows(x.data_ptr<float>(), x.stride(0), rows, width, weight.data_ptr<float>(), eps, y.data_ptr<float>());
   return y;
 }
 
@@ -201,6 +206,115 @@ torch::Tensor attend(const torch::Tensor& qkv, const torch::Tensor& cos, const t
   return out;
 }
 
+// A product of the layer loop below: y (rows, ldy) columns [0, 16 blocks) = x (rows, k) W^T + bias, the C entry of
+// int4_rows.cpp or int8_rows.cpp (weights, qsum, scale and `inner` (groups or chunks) as that kernel packs them).
+using RowProduct = void (*)(const float* x, int64_t rows, int64_t k, const void* weights, const int32_t* qsum,
+                            const float* scale, const float* bias, int64_t blocks, int64_t inner, float* y,
+                            int64_t ldy);
+
+struct ProductCall {  // one kernel call, writing columns [offset, offset + 16 blocks) of its part's output
+  RowProduct entry;
+  const void* weights;
+  const int32_t* qsum;
+  const float* scale;
+  const float* bias;
+  int64_t k, blocks, inner, offset;
+};
+
+enum Part { kQkv, kO, kGateUp, kDown, kParts };
+
+const void* pointer_or_null(const torch::Tensor& t) { return t.numel() ? t.data_ptr() : nullptr; }
+
+// A whole decoder forward of a few rows on top of a cached prefix, for a model whose every layer product is an own
+// kernel (int4_rows, int8_rows): per layer
+//     h = RMSNorm_1(x);  qkv = h W_qkv;  x += attend(qkv) W_o;  h = RMSNorm_2(x);  x += silu_mul(h W_gate, h W_up) W_down
+// then the final RMSNorm: eagle_fsd.fused_decoder's forward step for step (the same functions on the same operands,
+// so the same bits), without an operator or a Python call between them.
+// calls: one row per kernel call, [layer, part, entry address, k, blocks, inner, offset]; weights: four tensors per
+// call (packed, qsum, scale, bias; empty where the kernel takes none); norms: 2 per layer then the final one.
+torch::Tensor rows_forward(const torch::Tensor& embeds, const std::vector<std::vector<int64_t>>& calls,
+                           const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& norms,
+                           double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                           const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                           int64_t start, const torch::Tensor& mask, int64_t heads, int64_t kv_heads, double scale,
+                           int64_t intermediate) {
+  check_rows(embeds, "rows_forward embeds");
+  const int64_t n = embeds.size(0), hidden = embeds.size(1), layers = static_cast<int64_t>(keys.size());
+  const int64_t dim = cos.size(1), qkv_width = (heads + 2 * kv_heads) * dim;
+  TORCH_CHECK(values.size() == keys.size() && norms.size() == static_cast<size_t>(2 * layers + 1) &&
+              weights.size() == 4 * calls.size(), "rows_forward: ", layers, " layers need as many key and value "
+              "caches, 2 x layers + 1 norms and 4 weight tensors per call");
+  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
+              mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.size(0) == n &&
+              mask.size(1) == start + n, "rows_forward: cos/sin (n, dim) and a contiguous (n, start + n) bool mask");
+  std::vector<std::vector<ProductCall>> plan(layers * kParts);
+  const int64_t widths[kParts] = {qkv_width, hidden, 2 * intermediate, hidden};
+  const int64_t inputs[kParts] = {hidden, heads * dim, hidden, intermediate};
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const std::vector<int64_t>& row = calls[c];
+    TORCH_CHECK(row.size() == 7 && row[0] >= 0 && row[0] < layers && row[1] >= 0 && row[1] < kParts,
+                "rows_forward: call ", c, " is not [layer, part, entry, k, blocks, inner, offset]");
+    TORCH_CHECK(row[3] == inputs[row[1]] && row[6] >= 0 && row[6] + 16 * row[4] <= widths[row[1]],
+                "rows_forward: call ", c, " reads ", row[3], " inputs or writes past its part's ", widths[row[1]],
+                " columns");
+    for (int t = 0; t < 4; ++t)
+      TORCH_CHECK(weights[4 * c + t].numel() == 0 || weights[4 * c + t].is_contiguous(),
+                  "rows_forward: weights of call ", c, " must be contiguous");
+    plan[row[0] * kParts + row[1]].push_back(
+        {reinterpret_cast<RowProduct>(row[2]), pointer_or_null(weights[4 * c]),
+         static_cast<const int32_t*>(pointer_or_null(weights[4 * c + 1])),
+         static_cast<const float*>(pointer_or_null(weights[4 * c + 2])),
+         static_cast<const float*>(pointer_or_null(weights[4 * c + 3])), row[3], row[4], row[5], row[6]});
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    TORCH_CHECK(keys[l].dim() == 4 && keys[l].size(1) == kv_heads && keys[l].size(3) == dim &&
+                keys[l].is_contiguous() && values[l].sizes() == keys[l].sizes() && values[l].is_contiguous() &&
+                values[l].scalar_type() == keys[l].scalar_type() && start + n <= keys[l].size(2),
+                "rows_forward: the cache of layer ", l, " is not (1, ", kv_heads, ", max_len >= ", start + n, ", ",
+                dim, ") contiguous");
+    for (int p = 0; p < kParts; ++p)
+      TORCH_CHECK(!plan[l * kParts + p].empty(), "rows_forward: layer ", l, " has no product for part ", p);
+  }
+  auto options = embeds.options();
+  auto x = embeds.clone();
+  auto h = torch::empty({n, hidden}, options), qkv = torch::empty({n, qkv_width}, options);
+  auto attended = torch::empty({n, heads * dim}, options), y = torch::empty({n, hidden}, options);
+  auto gate_up = torch::empty({n, 2 * intermediate}, options);
+  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  auto run = [&](int64_t layer, int part, const float* in, float* out) {
+    for (const ProductCall& call : plan[layer * kParts + part])
+      call.entry(in, n, call.k, call.weights, call.qsum, call.scale, call.bias, call.blocks, call.inner,
+                 out + call.offset, widths[part]);
+  };
+  auto add_into_x = [&]() {  // x = x + y, as torch's add rounds it
+    for (int64_t e = 0; e < n * hidden; ++e) xp[e] = xp[e] + yp[e];
+  };
+  for (int64_t l = 0; l < layers; ++l) {
+    rms_norm_rows(xp, hidden, n, hidden, norms[2 * l].data_ptr<float>(), eps, hp);
+    run(l, kQkv, hp, qkv.data_ptr<float>());
+    if (keys[l].scalar_type() == torch::kFloat64) {
+      attend_rows<double>(qkv.data_ptr<float>(), qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                          keys[l].data_ptr<double>(), values[l].data_ptr<double>(), keys[l].size(2), start,
+                          mask.data_ptr<bool>(), n, heads, kv_heads, dim, scale, attended.data_ptr<float>());
+    } else {
+      TORCH_CHECK(keys[l].scalar_type() == torch::kFloat32, "rows_forward: the cache must be fp32 or fp64");
+      attend_rows<float>(qkv.data_ptr<float>(), qkv_width, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                         keys[l].data_ptr<float>(), values[l].data_ptr<float>(), keys[l].size(2), start,
+                         mask.data_ptr<bool>(), n, heads, kv_heads, dim, scale, attended.data_ptr<float>());
+    }
+    run(l, kO, attended.data_ptr<float>(), yp);
+    add_into_x();
+    rms_norm_rows(xp, hidden, n, hidden, norms[2 * l + 1].data_ptr<float>(), eps, hp);
+    run(l, kGateUp, hp, gate_up.data_ptr<float>());
+    auto gated = silu_mul(gate_up.narrow(1, 0, intermediate), gate_up.narrow(1, intermediate, intermediate));
+    run(l, kDown, gated.data_ptr<float>(), yp);
+    add_into_x();
+  }
+  auto last = torch::empty({n, hidden}, options);
+  rms_norm_rows(xp, hidden, n, hidden, norms[2 * layers].data_ptr<float>(), eps, last.data_ptr<float>());
+  return last;
+}
+
 torch::Tensor rms_norm_aten(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   // transformers' RMSNorm (Llama, Qwen2) in fp32, operator by operator: the same bits, one call from Python
   auto variance = x.pow(2).mean(-1, true);
@@ -214,5 +328,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary embedding of the first heads of each row, as (1, heads, rows, dim)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attend", &attend, "rope, cache and attend a few rows over a cached prefix");
+  m.def("rows_forward", &rows_forward, "a decoder forward of a few rows over a cached prefix, own kernels only");
   m.def("rms_norm_aten", &rms_norm_aten, "transformers' fp32 RMSNorm, its operators called from C++");
 }

@@ -69,6 +69,20 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _extension().silu_mul(gate, up)
 
 
+def rows_forward(embeds: torch.Tensor, calls: list[list[int]], weights: list[torch.Tensor], norms: list[torch.Tensor],
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 start: int, mask: torch.Tensor, heads: int, kv_heads: int, scale: float,
+                 intermediate: int) -> torch.Tensor:
+    """A Llama-shaped decoder's forward of the rows embeds (n, hidden) on top of a cached prefix, in one call: per
+    layer rms_norm, q | k | v product, attend, o product, residual, rms_norm, gate | up product, silu_mul, down
+    product, residual; then the final rms_norm (returned, (n, hidden)). The products are kernel calls by address
+    (int4_rows_entry, int8_rows_entry): `calls` rows [layer, part (0 qkv, 1 o, 2 gate | up, 3 down), entry, k,
+    blocks, inner, column offset], four `weights` per call (packed, qsum, scale, bias; empty where unused); `norms`
+    two per layer then the final one; keys and values one cache per layer, written at slots start .. start + n - 1."""
+    return _extension().rows_forward(embeds, calls, weights, norms, eps, cos, sin, keys, values, start, mask, heads,
+                                     kv_heads, scale, intermediate)
+
+
 def rms_norm_like_transformers(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' fp32 RMSNorm of Llama and Qwen2 (its operators, the same bits), one call from Python."""
     return _extension().rms_norm_aten(x, weight, eps)

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -56,7 +57,7 @@ void round_rows(const float* x, int64_t rows, int64_t k, int8_t* v, float* a, fl
 // channels [16 b, 16 b + 16) of rows [r0, r1). Each row's groups alternate between two fp32 sums, even and odd g,
 // added at the end: a fixed order (the same for any number of rows), half as long a chain of dependent additions.
 void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_t* v, const float* sums,
-                   const float* a, const float* bias, int64_t k, int64_t n, int64_t r0, int64_t r1, float* y) {
+                   const float* a, const float* bias, int64_t k, int64_t ldy, int64_t r0, int64_t r1, float* y) {
   __m512 acc[2][kRowsPerPass];
   for (int64_t i = r0; i < r1; ++i) acc[0][i - r0] = acc[1][i - r0] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -90,14 +91,14 @@ void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_
   const __m512 beta = bias ? _mm512_loadu_ps(bias + b * kLanes) : zero;
   for (int64_t i = r0; i < r1; ++i) {
     const __m512 total = _mm512_add_ps(acc[0][i - r0], acc[1][i - r0]);
-    _mm512_storeu_ps(y + i * n + b * kLanes, _mm512_fmadd_ps(total, _mm512_set1_ps(a[i]), beta));
+    _mm512_storeu_ps(y + i * ldy + b * kLanes, _mm512_fmadd_ps(total, _mm512_set1_ps(a[i]), beta));
   }
 }
 
 #else
 // The same for AVX2: lanes [8 h, 8 h + 8) of the block in half h, both halves within one pass over the groups.
 void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_t* v, const float* sums,
-                   const float* a, const float* bias, int64_t k, int64_t n, int64_t r0, int64_t r1, float* y) {
+                   const float* a, const float* bias, int64_t k, int64_t ldy, int64_t r0, int64_t r1, float* y) {
   __m256 acc[2][2][kRowsPerPass];  // [half][g & 1][row]
   for (int h = 0; h < 2; ++h)
     for (int64_t i = r0; i < r1; ++i) acc[h][0][i - r0] = acc[h][1][i - r0] = _mm256_setzero_ps();
@@ -134,11 +135,27 @@ void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_
     const __m256 beta = bias ? _mm256_loadu_ps(bias + b * kLanes + 8 * h) : _mm256_setzero_ps();
     for (int64_t i = r0; i < r1; ++i) {
       const __m256 total = _mm256_add_ps(acc[h][0][i - r0], acc[h][1][i - r0]);
-      _mm256_storeu_ps(y + i * n + b * kLanes + 8 * h, _mm256_fmadd_ps(total, _mm256_set1_ps(a[i]), beta));
+      _mm256_storeu_ps(y + i * ldy + b * kLanes + 8 * h, _mm256_fmadd_ps(total, _mm256_set1_ps(a[i]), beta));
     }
   }
 }
 #endif
+
+// y (rows, ldy): columns [0, 16 blocks) = x (rows, k) W^T + bias, for W packed as (blocks, k / 32, 320) by pack_int4.
+// The entry eagle_fsd.kernels.decoder_glue's layer loop calls by address (its RowProduct; qsum, scale unused).
+void int4_rows_into(const float* x, int64_t rows, int64_t k, const void* weights, const int32_t*, const float*,
+                    const float* bias, int64_t blocks, int64_t groups, float* y, int64_t ldy) {
+  std::vector<int8_t> v(rows * k);
+  std::vector<float> a(rows), sums(rows * groups);
+  round_rows(x, rows, k, v.data(), a.data(), sums.data());
+  const uint8_t* w = static_cast<const uint8_t*>(weights);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass)
+        block_product(w, b, groups, v.data(), sums.data(), a.data(), bias, k, ldy, r0,
+                      std::min(rows, r0 + kRowsPerPass), y);
+  });
+}
 
 }  // namespace
 
@@ -152,24 +169,14 @@ torch::Tensor int4_rows_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == n && bias.scalar_type() == torch::kFloat32), "bias: (n) float32");
   x = x.contiguous();
   packed = packed.contiguous();
-  auto v = torch::empty({rows, k}, torch::kInt8);
-  auto a = torch::empty({rows}, torch::kFloat32);
-  auto sums = torch::empty({rows, groups}, torch::kFloat32);
-  round_rows(x.data_ptr<float>(), rows, k, v.data_ptr<int8_t>(), a.data_ptr<float>(), sums.data_ptr<float>());
+  if (bias.numel()) bias = bias.contiguous();
   auto y = torch::empty({rows, n}, torch::kFloat32);
-  const float* beta = bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int8_t* vp = v.data_ptr<int8_t>();
-  const float *sp = sums.data_ptr<float>(), *ap = a.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n / kLanes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass)
-        block_product(w, b, groups, vp, sp, ap, beta, k, n, r0, std::min(rows, r0 + kRowsPerPass), yp);
-  });
+  int4_rows_into(x.data_ptr<float>(), rows, k, packed.data_ptr<uint8_t>(), nullptr, nullptr,
+                 bias.numel() ? bias.data_ptr<float>() : nullptr, packed.size(0), groups, y.data_ptr<float>(), n);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int4_rows_linear", &int4_rows_linear, "4-bit weights x 8-bit row-rounded activations");
+  module.def("entry", [] { return reinterpret_cast<int64_t>(&int4_rows_into); }, "address of int4_rows_into");
 }

@@ -145,6 +145,11 @@ def int4_rows_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return y.reshape(*x.shape[:-1], out_features)
 
 
+def int4_rows_entry(isa: str | None = None) -> int:
+    """The address of the build's C entry (int4_rows_into), which eagle_fsd.kernels.decoder_glue's layer loop calls."""
+    return _extension(isa or _isa()).entry()
+
+
 def _isa() -> str:
     isa = int4_rows_isa()
     if isa is None:

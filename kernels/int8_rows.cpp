@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -43,7 +44,7 @@ void round_rows(const float* x, int64_t rows, int64_t k, int64_t width, uint8_t*
 // channels [16 b, 16 b + 16) of rows [r0, r0 + R): R rows share each 64-byte load of the block's codes
 template <int R>
 void block_product(const int8_t* packed, int64_t b, int64_t chunks, const uint8_t* u, const int32_t* qsum,
-                   const float* scale, const float* a, const float* bias, int64_t n, int64_t r0, float* y) {
+                   const float* scale, const float* a, const float* bias, int64_t ldy, int64_t r0, float* y) {
   __m256i acc[2][R];
   for (int h = 0; h < 2; ++h)
     for (int i = 0; i < R; ++i) acc[h][i] = _mm256_setzero_si256();
@@ -72,9 +73,31 @@ void block_product(const int8_t* packed, int64_t b, int64_t chunks, const uint8_
     const __m256 beta = bias ? _mm256_loadu_ps(bias + lane0) : _mm256_setzero_ps();
     for (int i = 0; i < R; ++i) {
       const __m256 p = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[h][i], offset));  // P - z Q, exact in int32
-      _mm256_storeu_ps(y + (r0 + i) * n + lane0, _mm256_fmadd_ps(_mm256_mul_ps(p, s), _mm256_set1_ps(a[r0 + i]), beta));
+      _mm256_storeu_ps(y + (r0 + i) * ldy + lane0, _mm256_fmadd_ps(_mm256_mul_ps(p, s), _mm256_set1_ps(a[r0 + i]), beta));
     }
   }
+}
+
+// y (rows, ldy): columns [0, 16 blocks) = x (rows, k) W^T + bias, for W packed as (blocks, chunks, 64) by
+// pack_int8_rows with its Q and scales. The entry eagle_fsd.kernels.decoder_glue's layer loop calls by address.
+void int8_rows_into(const float* x, int64_t rows, int64_t k, const void* weights, const int32_t* qsum,
+                    const float* scale, const float* bias, int64_t blocks, int64_t chunks, float* y, int64_t ldy) {
+  const int64_t width = chunks * kChunk;
+  std::vector<uint8_t> u(rows * width);
+  std::vector<float> a(rows);
+  round_rows(x, rows, k, width, u.data(), a.data());
+  const int8_t* w = static_cast<const int8_t*>(weights);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+        switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
+          case 1: block_product<1>(w, b, chunks, u.data(), qsum, scale, a.data(), bias, ldy, r0, y); break;
+          case 2: block_product<2>(w, b, chunks, u.data(), qsum, scale, a.data(), bias, ldy, r0, y); break;
+          case 3: block_product<3>(w, b, chunks, u.data(), qsum, scale, a.data(), bias, ldy, r0, y); break;
+          default: block_product<4>(w, b, chunks, u.data(), qsum, scale, a.data(), bias, ldy, r0, y);
+        }
+      }
+  });
 }
 
 }  // namespace
@@ -96,31 +119,15 @@ torch::Tensor int8_rows_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
   packed = packed.contiguous();
   qsum = qsum.contiguous();
   scale = scale.contiguous();
-  const int64_t width = chunks * kChunk;
-  auto u = torch::empty({rows, width}, torch::kUInt8);
-  auto a = torch::empty({rows}, torch::kFloat32);
-  round_rows(x.data_ptr<float>(), rows, k, width, u.data_ptr<uint8_t>(), a.data_ptr<float>());
+  if (bias.numel()) bias = bias.contiguous();
   auto y = torch::empty({rows, n}, torch::kFloat32);
-  const float* beta = bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
-  const int8_t* w = packed.data_ptr<int8_t>();
-  const uint8_t* up = u.data_ptr<uint8_t>();
-  const int32_t* qp = qsum.data_ptr<int32_t>();
-  const float *sp = scale.data_ptr<float>(), *ap = a.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n / kLanes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
-        switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
-          case 1: block_product<1>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp); break;
-          case 2: block_product<2>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp); break;
-          case 3: block_product<3>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp); break;
-          default: block_product<4>(w, b, chunks, up, qp, sp, ap, beta, n, r0, yp);
-        }
-      }
-  });
+  int8_rows_into(x.data_ptr<float>(), rows, k, packed.data_ptr<int8_t>(), qsum.data_ptr<int32_t>(),
+                 scale.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr, packed.size(0), chunks,
+                 y.data_ptr<float>(), n);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_rows_linear", &int8_rows_linear, "8-bit weights x 7-bit row-rounded activations (AVX2)");
+  module.def("entry", [] { return reinterpret_cast<int64_t>(&int8_rows_into); }, "address of int8_rows_into");
 }

@@ -90,3 +90,8 @@ def int8_rows_linear(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, 
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def int8_rows_entry() -> int:
+    """The address of the kernel's C entry (int8_rows_into), which eagle_fsd.kernels.decoder_glue's layer loop calls."""
+    return _extension().entry()

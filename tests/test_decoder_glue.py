@@ -362,3 +362,114 @@ def test_layer_plans_call_shared_products_once_and_follow_the_unpacked_switch():
         plan = layer_plan(layer)
         assert plan.qkv is None and plan.gate_up is None and plan.o is layer.self_attn.o_proj
     assert layer_plan(layer).o is layer.self_attn.o_proj.product
+
+
+def gguf_like(model):
+    """Q4_K_M's mix in a tiny model: q, k, o, gate and up rounded to 4 bits (int4 kernel), v and down left as they
+    are (int8: int8_rows where this CPU runs it)."""
+    from eagle_fsd.kernels.int4_rows import dequantize_int4, quantize_int4
+
+    with torch.no_grad():
+        for layer in model.get_decoder().layers:
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                      layer.mlp.up_proj):
+                m.weight.copy_(dequantize_int4(*quantize_int4(m.weight)).float())
+
+
+def steps_on_a_prompt(model, exact):
+    """Hidden states and the first layer's cache after: a 5-node tree (scratch), then two plain steps in a row."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 1000, (6,), generator=g)
+    tree_block, _ = tree_blocks(g, 6)
+    cache = TreeCache.for_model(model, 64)
+    outs = []
+    with torch.no_grad():
+        fused_decoder_forward(model, prompt, cache, causal_mask(0, 6, "cpu"), torch.arange(6), exact=exact)
+        tokens, tree, positions = tree_block
+        outs.append(fused_decoder_forward(model, tokens, cache, prefix_tree_mask(6, tree), positions, exact=exact))
+        cache.crop(6)
+        for step in range(2):  # the second step attends to the first: the cache's length moved on
+            outs.append(fused_decoder_forward(model, tokens[step:step + 1], cache, causal_mask(6 + step, 1, "cpu"),
+                                              torch.tensor([6 + step]), exact=exact))
+        storage = cache.layers[0]
+        outs += [storage.keys[:, :, :storage.length].clone(), storage.values[:, :, :storage.length].clone()]
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("mix", ["int4", "gguf", "drafter"])
+def test_one_call_forward_equals_layer_by_layer_to_the_bit(kind, mix, monkeypatch):
+    """rows_forward (the whole forward in one C++ call) against the same steps layer by layer from Python: the same
+    bits for every tree node, plain step and cache entry; int4 only, Q4_K_M's int4/int8 mix (one call where the int8
+    layers run int8_rows, i.e. on AVX2-only CPUs), and a drafter (all int4, not exact)."""
+    from eagle_fsd.fused_decoder import layer_by_layer, rows_plan
+    from eagle_fsd.kernels.int4_rows import int4_rows_available
+    from eagle_fsd.kernels.int8_rows import int8_rows_available
+
+    if not int4_rows_available():
+        pytest.skip("the one-call forward runs own kernels only; this CPU has no int4 build")
+    import eagle_fsd.fused_decoder as fused
+
+    model = tiny_model(kind, seed=7)
+    with torch.no_grad():  # norms of their own (a fresh model's are all ones)
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
+    if mix == "gguf":
+        gguf_like(model)
+    exact = mix != "drafter"
+    quantize_target(model, exact=exact, four_bit=True, requantize=mix != "gguf")
+    one_call = rows_plan(model.get_decoder()).calls is not None
+    assert one_call == (mix != "gguf" or int8_rows_available())
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return glue.rows_forward(*args)
+
+    monkeypatch.setattr(fused, "rows_forward", counted)
+    ours = steps_on_a_prompt(model, exact)
+    assert calls == ([5, 1, 1] if one_call else [])  # the prompt goes to SDPA
+    with layer_by_layer():
+        reference = steps_on_a_prompt(model, exact)
+    assert len(calls) == (3 if one_call else 0)
+    for mine, theirs in zip(ours, reference):
+        assert torch.equal(mine, theirs)
+    assert ours[-1].shape[2] == 8  # prompt and two steps
+
+
+def test_one_call_forward_falls_back_and_checks_the_cache():
+    """A product the C++ loop cannot call (FBGEMM's, for a drafter's int8 layers) keeps the layer-by-layer forward;
+    a forward past the preallocated cache is refused by name."""
+    from eagle_fsd.fused_decoder import rows_plan
+    from eagle_fsd.kernels.int4_rows import int4_rows_available
+
+    model = tiny_model("qwen2", seed=7)
+    quantize_target(model, exact=False)  # int8, one rounding scale per call: FBGEMM
+    assert rows_plan(model.get_decoder()).calls is None
+    if not int4_rows_available():
+        return
+    model = tiny_model("qwen2", seed=7)
+    quantize_target(model, four_bit=True, requantize=True)
+    assert rows_plan(model.get_decoder()).calls is not None
+    cache = TreeCache.for_model(model, 8)
+    with torch.no_grad():
+        fused_decoder_forward(model, torch.arange(6), cache, causal_mask(0, 6, "cpu"), torch.arange(6))
+        with pytest.raises(RuntimeError, match="KV cache overflow: 9 tokens > preallocated 8"):
+            fused_decoder_forward(model, torch.arange(3), cache, causal_mask(6, 3, "cpu"), torch.arange(6, 9))
+
+
+def test_products_are_placed_only_where_their_columns_fall_in_module_order():
+    from eagle_fsd.fused_decoder import placed_products
+    from eagle_fsd.kernels.int4_rows import int4_rows_available
+
+    if not int4_rows_available():
+        pytest.skip("places own kernel products only; this CPU has no int4 build")
+    model = tiny_model("qwen2", seed=7)
+    quantize_target(model, four_bit=True, requantize=True)
+    attention = model.get_decoder().layers[0].self_attn
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+    assert placed_products([q, k, v]) == [(q.product.product, 0)]
+    assert placed_products([q, v, k]) is None  # the shared product writes q | k | v
+    assert placed_products([q, k]) is None  # it would write v's columns too
+    assert placed_products([attention.o_proj]) == [(attention.o_proj.product, 0)]
