@@ -15,7 +15,7 @@ from eagle_fsd.drafters import grow_tree
 from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
-from eagle_fsd.guard import PhaseClock, SpeedGuard
+from eagle_fsd.guard import GuardMemory, PhaseClock, SpeedGuard
 from eagle_fsd.sampling import choose_tokens, logits_processor
 from eagle_fsd.tree.accept import Step, acceptance_by_depth, tokens_per_step
 from eagle_fsd.tree.dynamic import chain_tree
@@ -71,18 +71,23 @@ class GenerateOutput:
 
 
 class DrafterReader:
-    """Where the drafter has read up to: its logits and state at the current root, and the tokens decoded plainly
-    (with the target's hidden states) that it has not read yet (the speed guard skips drafting for a while)."""
+    """Where the drafter has read up to: its logits and state at the current root, and what it has not read yet:
+    the prompt until the first draft (a call the speed guard decodes plainly throughout never runs the drafter), and
+    the tokens decoded plainly since, with the target's hidden states (the guard skips drafting for a while)."""
 
     def __init__(self, drafter, max_len: int, prompt: torch.Tensor, root: torch.Tensor, hidden: torch.Tensor):
         self.drafter = drafter
         drafter.reset(max_len)
-        self.root_logits, self.root_state = drafter.prefill(prompt, root, hidden)
+        self.unread_prompt: tuple | None = (prompt, root, hidden)
+        self.root_logits = self.root_state = None
         self.behind: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def at_root(self):
-        """(logits, state) at the root; back from plain decoding, the drafter first reads what it missed, in one
-        forward."""
+        """(logits, state) at the root; on the first draft the drafter reads the prompt, and back from plain decoding
+        what it missed, in one forward."""
+        if self.unread_prompt is not None:
+            self.root_logits, self.root_state = self.drafter.prefill(*self.unread_prompt)
+            self.unread_prompt = None
         if self.behind:
             self.root_logits, self.root_state = self.drafter.extend(torch.cat([t for t, _ in self.behind]),
                                                                     torch.cat([h for _, h in self.behind]))
@@ -146,6 +151,8 @@ class EaFsdModel(torch.nn.Module):
         check_attention_support(base_model.config)  # sliding windows are honoured; other kinds are refused
         self._shape = shape or TreeShape(total_token, depth, top_k)
         self._tuning = tuning  # plain rate and verify costs for the speed guard
+        self._guards: dict[FsdConfig | None, SpeedGuard] = {}  # the speed guard per acceptance rule, for life
+        self._guard_memory = GuardMemory()  # what the guards measured, shared by them
         # the token vocabulary: logit rows beyond it (padding) are not tokens
         self.vocab_size = len(tokenizer) if tokenizer is not None else base_model.config.vocab_size
         self._vocab_ids = {0: None}  # draft vocabulary size -> its target ids (0: the drafter's own)
@@ -297,7 +304,7 @@ class EaFsdModel(torch.nn.Module):
         generated: list[int] = []
         out = GenerateOutput(sequences=input_ids)
         done = self._emit(generated, out.fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
-        guard = None if drafter is None else self._speed_guard() if shape is None else SpeedGuard(None)
+        guard = None if drafter is None else self._speed_guard(fsd) if shape is None else SpeedGuard(None)
         clock = PhaseClock(sync=profile)
         while not done:
             step_start = clock.last
@@ -343,14 +350,18 @@ class EaFsdModel(torch.nn.Module):
         clock.lap("cache")
         return step, features, verify_seconds
 
-    def _speed_guard(self) -> SpeedGuard:
-        """The never-slower-than-plain guard: on with tuned settings (it needs the measured plain rate)."""
+    def _speed_guard(self, rule: FsdConfig | None = None) -> SpeedGuard:
+        """The never-slower-than-plain guard for acceptance `rule` (a call's FsdConfig; threshold None or rule None:
+        lossless), on with tuned settings (it needs the measured plain rate); the same guard for all of the model's
+        calls under that rule."""
         if self._tuning is None:
             return SpeedGuard(None)
-        t = self._tuning
-        if not t.speculate:  # predicted to lose: plain first (timing t_plain), speculation probed after 32 tokens
-            return SpeedGuard(t.plain_ms, t.verify_ms, backoff=32, start_plain=True)
-        return SpeedGuard(t.plain_ms, t.verify_ms)
+        rule = None if rule is None or rule.threshold is None else rule
+        if rule not in self._guards:
+            t = self._tuning  # predicted to lose: plain first (timing t_plain), speculation probed after 32 tokens
+            self._guards[rule] = SpeedGuard(t.plain_ms, t.verify_ms, backoff=32, start_plain=not t.speculate,
+                                            memory=self._guard_memory)
+        return self._guards[rule]
 
     def _verify(self, tree, cache, layers: tuple[int, ...] | None = None):
         """All tree nodes in one target forward, node i at position committed + depth(i): (logits, the drafter's

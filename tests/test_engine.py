@@ -166,7 +166,7 @@ def test_a_shape_passed_to_generate_runs_as_given_and_leaves_the_model_alone(mon
     trees = []
     grow = drafters.grow_tree
     monkeypatch.setattr(model_module, "grow_tree", lambda *a: trees.append((a[-1], grow(*a))) or trees[-1][1])
-    monkeypatch.setattr(model, "_speed_guard", lambda: pytest.fail("an explicit shape runs without the guard"))
+    monkeypatch.setattr(model, "_speed_guard", lambda rule=None: pytest.fail("an explicit shape runs without the guard"))
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(3))
     out = model.generate(ids, max_new_tokens=20, eos_token_id=[], return_dict=True, shape=TreeShape(5, 2, 3))
     assert torch.equal(out.sequences, hf_greedy(target, ids, 20))

@@ -155,7 +155,7 @@ def test_catch_up_after_plain_steps_joint_law(temperature=1.0, top_k=4):
     the drafter catches up on the tokens it missed in one forward: the law is unchanged."""
     target, draft = target_and_drafter()
     model = EaFsdModel(target, None, LMDrafter(draft, VOCAB), total_token=8, depth=3, top_k=2)
-    model._speed_guard = lambda: SpeedGuard(plain_ms=1e9, backoff=2, start_plain=True)
+    model._speed_guard = lambda rule=None: SpeedGuard(plain_ms=1e9, backoff=2, start_plain=True)
     outputs = []
     counts = sample(generator(model, temperature, 1.0, top_k, return_dict=True), 4 * N // 5, outputs=outputs)
     assert {out.plain_steps for out in outputs} == {2}  # 2 plain steps, then speculation

@@ -10,6 +10,7 @@ from eagle_fsd import tune, vocab
 from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.drafters import LMDrafter
 from eagle_fsd.fsd import FsdConfig, node_divergences
+from eagle_fsd.guard import GuardMemory
 from eagle_fsd.model import EaFsdModel, SpeedGuard
 from eagle_fsd.tree.accept import accept
 from eagle_fsd.tree.dynamic import DraftPool, grow_pool, select_tree
@@ -150,6 +151,73 @@ def test_speed_guard_judges_by_the_machine_speed_now():
     for _ in range(4):  # at the profiled speed the same steps lose
         guard.record(True, tokens=2, seconds=0.4, verify_seconds=0.15, tree_size=4)
     assert not guard.speculate()
+
+
+def test_guard_heals_a_verify_ratio_that_the_profile_put_low():
+    """The profile says verifying 4 tokens costs 1.3x one (130 vs 100 ms); on the machine it costs 1.6x (160 ms).
+    Speculative steps of 2.5 tokens in 0.27 s lose 8 % to plain's 0.1 s a token, which the profile's ratio would
+    hide (it prices those 2.5 plain tokens at 0.31 s); the measured ratio shows it."""
+    guard = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 130.0}, window=16, backoff=8, start_plain=True)
+    for _ in range(8):
+        assert not guard.speculate()
+        guard.record(False, tokens=1, seconds=0.1, verify_seconds=0.1, tree_size=1)
+    assert guard.verify_reference_ms(4) == pytest.approx(130.0)  # no speculative step seen yet: the profile's
+    for step in range(16):
+        assert guard.speculate(), step
+        guard.record(True, tokens=2.5, seconds=0.27, verify_seconds=0.16, tree_size=4)
+    assert guard.verify_reference_ms(4) == pytest.approx(160.0)
+    assert not guard.speculate()
+
+
+def test_guards_share_measurements_and_losses_in_a_row_double_the_backoff_up_to_a_cap():
+    memory = GuardMemory()
+    lossless = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 150.0}, window=4, backoff=8, memory=memory)
+    backoffs = []
+    for _ in range(12):  # 2 tokens in 0.25 s against plain's 0.2 s: a loss each window
+        for _ in range(4):
+            assert lossless.speculate()
+            lossless.record(True, tokens=2, seconds=0.25, verify_seconds=0.15, tree_size=4)
+        backoffs.append(lossless.plain_left)
+        while not lossless.speculate():
+            lossless.record(False, tokens=1, seconds=0.1, verify_seconds=0.1, tree_size=1)
+    assert backoffs == [8, 16, 32, 64, 128, 256, 512, 1024, 1024, 1024, 1024, 1024]
+    fuzzy = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 150.0}, window=4, backoff=8, memory=memory)
+    assert fuzzy.plain_seen is lossless.plain_seen and len(fuzzy.plain_seen) == 64  # the plain rate, measured
+    assert fuzzy.verify_reference_ms(4) == pytest.approx(150.0)  # the ratio measured, 0.15 s / 0.1 s
+    for _ in range(4):  # one losing window, its plain backoff, then 3 tokens in 0.2 s: this one pays
+        fuzzy.record(True, tokens=2, seconds=0.25, verify_seconds=0.15, tree_size=4)
+    assert fuzzy.backoff == 16
+    for _ in range(8):
+        fuzzy.record(False, tokens=1, seconds=0.1, verify_seconds=0.1, tree_size=1)
+    for _ in range(4):
+        fuzzy.record(True, tokens=3, seconds=0.2, verify_seconds=0.15, tree_size=4)
+    assert fuzzy.speculate() and fuzzy.backoff == 8  # a paying window ends the run of losses
+
+
+def test_a_models_calls_under_one_rule_are_judged_as_one_generation():
+    """A tuning whose t_plain is a millionth of a verify: every speculative window loses. The first call ends inside
+    its plain backoff; the second lossless call finishes that backoff, so it decodes plainly from its first token;
+    an FSD call has its own guard, which has not lost yet, so it speculates."""
+    target = tiny_model("llama", seed=1)
+    tuning = tune.Tuning(shape=(4, 1, 1, 0), predicted_speedup=1.2, plain_ms=1e-4, verify_ms={1: 100.0, 4: 120.0},
+                         speculate=True)
+    model = EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=2), 1000),
+                       shape=TreeShape(4, 1, 1), tuning=tuning)
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
+    first = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    assert 0 < first.plain_steps < first.verify_steps  # speculated for a window, then fell back
+    assert model._speed_guard(None).plain_left >= 10  # ... and ended inside the backoff
+    prefills = []
+    prefill = model.drafter.prefill
+    model.drafter.prefill = lambda *args: prefills.append(1) or prefill(*args)
+    second = model.generate(ids, max_new_tokens=10, eos_token_id=[], return_dict=True)
+    assert second.plain_steps == second.verify_steps
+    assert not prefills  # never drafting, the drafter never read the prompt
+    assert torch.equal(second.sequences, hf_greedy(target, ids, 10))
+    fuzzy = model.generate(ids, max_new_tokens=10, eos_token_id=[], return_dict=True, fsd_threshold=0.5)
+    assert fuzzy.plain_steps < fuzzy.verify_steps and prefills == [1]
+    # the FSD guard prices plain decoding with what the lossless calls' plain steps measured
+    assert len(model._speed_guard(FsdConfig(threshold=0.5)).plain_seen) == first.plain_steps + second.plain_steps
 
 
 def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
