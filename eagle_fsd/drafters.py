@@ -216,7 +216,10 @@ class Drafter:
     (hidden states (T, H) before the draft lm_head, the states the next tree level reads or None) and
     `_logits(hidden)` -> draft logits (T, V_draft). Declared capabilities:
       feature_layers    None: reads the target's final hidden states; EAGLE-3: those entering these layers
-      reads_features    the inputs pair feature f_t with token x_{t+1} (EAGLE), so prefill skips the first token
+      reads_features    the inputs pair feature f_t with token x_{t+1} (EAGLE), so prefill skips the first token;
+                        a drafter that does not reads a tree level's node exactly as extend would (same token, same
+                        position, same context), so an accepted chain's level entries are kept (`keep_levels`)
+                        instead of read again
       reducible_vocab   the tuner may cut the draft vocabulary to the most frequent tokens (FR-Spec)
       auto_quant        draft_quant "auto" may round its weights to int4 (an LM: big, with its own lm_head)
       assistant_model   a causal LM HF assisted generation can draft with (None: none)"""
@@ -275,8 +278,17 @@ class Drafter:
         return self._logits(hidden), states
 
     def rollback(self) -> None:
-        """Drop the scratch entries of the tree levels."""
+        """Drop the scratch entries of the tree levels (from the count; they stay in storage for keep_levels)."""
         self.cache.crop(self.length)
+
+    def keep_levels(self, slots: torch.Tensor) -> None:
+        """Commit the accepted chain's first nodes from the last tree's scratch: slots[i] is the scratch entry (level
+        L's j-th node at L * top_k + j) of the node at depth i + 1, which sat at position length + i, where it is
+        committed now. Only for a drafter that does not read features (its level entries equal extend's)."""
+        if self.reads_features:
+            raise ValueError("keep_levels: a drafter that reads the target's features must read accepted tokens again")
+        self.cache.keep(self.length, slots)
+        self.length += slots.numel()
 
     def rewind(self, length: int) -> None:
         """Forget the context after its first `length` inputs."""

@@ -94,10 +94,17 @@ class DrafterReader:
             self.behind.clear()
         return self.root_logits, self.root_state
 
-    def read(self, tokens: torch.Tensor, hidden: torch.Tensor, speculated: bool) -> None:
-        """The step's emitted tokens and their target hidden states: read now, or queued for the next draft."""
+    def read(self, tokens: torch.Tensor, hidden: torch.Tensor, speculated: bool,
+             level_slots: torch.Tensor | None = None) -> None:
+        """The step's emitted tokens and their target hidden states: read now, or queued for the next draft.
+        level_slots: per accepted draft token, its entry in the drafter's tree scratch (-1: never forwarded); a
+        drafter that reads no features keeps the leading forwarded ones and reads only the rest."""
         if speculated:
-            self.root_logits, self.root_state = self.drafter.extend(tokens, hidden)
+            kept = 0
+            if level_slots is not None and not self.drafter.reads_features:
+                kept = int((level_slots >= 0).cumprod(0).sum())
+                self.drafter.keep_levels(level_slots[:kept])
+            self.root_logits, self.root_state = self.drafter.extend(tokens[kept:], hidden[kept:])
         else:
             self.behind.append((tokens, hidden))
 
@@ -318,7 +325,8 @@ class EaFsdModel(torch.nn.Module):
             root = step.next_token
             clock.lap("other")
             if not done and reader is not None:
-                reader.read(torch.tensor(step.tokens, device=prompt.device), features[step.path], speculate)
+                reader.read(torch.tensor(step.tokens, device=prompt.device), features[step.path], speculate,
+                            tree.level_slots(step.path) if speculate else None)
                 clock.lap("draft")
             if guard is not None:
                 guard.record(speculate, len(step.tokens), clock.last - step_start, verify_seconds, tree.size)

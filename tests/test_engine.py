@@ -211,3 +211,76 @@ def test_drafters_share_the_step_contract(drafter_kind):
     assert drafter.draft_vocab is None
     assert drafter.auto_quant == (drafter_kind == "lm") and drafter.feature_layers is None
     assert (drafter.assistant_model is not None) == (drafter_kind == "lm")
+
+
+def test_kept_level_entries_equal_reading_the_chain_again():
+    """Branch by branch: an LM drafter that commits a path's forwarded nodes from its tree scratch (keep_levels) and
+    reads only the rest holds the same cache and gives the same next logits as one that reads the whole chain."""
+    from eagle_fsd.drafters import grow_tree
+    from eagle_fsd.tree.dynamic import retrieve_indices
+    from eagle_fsd.tree.shape import TreeShape
+
+    target = tiny_model("llama", seed=1)
+    drafter = make_drafter("lm", target, "llama")
+    ids = torch.randint(0, 1000, (9,), generator=torch.Generator().manual_seed(5))
+
+    def drafted():  # the drafter after reading the prompt and drafting a tree (its scratch filled)
+        drafter.reset(40)
+        return grow_tree(drafter, ids[-1], *drafter.prefill(ids[:-1], ids[-1]), TreeShape(10, 3, 2))
+
+    tree = drafted()
+    length = drafter.length
+    paths = retrieve_indices(tree.parents, tree.ancestors, tree.depths)
+    kept_counts = []
+    for path in paths:
+        path = path[path >= 0]
+        chain = torch.cat([tree.tokens[path[1:]], torch.tensor([7])])  # accepted tokens, then a bonus token
+        drafter.reset(40)
+        drafter.prefill(ids[:-1], ids[-1])
+        read_logits, _ = drafter.extend(chain)
+        read_keys = [layer.keys[:, :, : drafter.length].clone() for layer in drafter.cache.layers]
+        drafted()  # the scratch is overwritten by a kept branch: the same tree, drafted again
+        slots = tree.level_slots(path)
+        kept = int((slots >= 0).cumprod(0).sum())
+        kept_counts.append(kept)
+        drafter.keep_levels(slots[:kept])
+        logits, _ = drafter.extend(chain[kept:])
+        assert drafter.length == length + chain.numel()
+        torch.testing.assert_close(logits, read_logits)
+        for layer, keys in zip(drafter.cache.layers, read_keys):
+            torch.testing.assert_close(layer.keys[:, :, : drafter.length], keys)
+    assert max(kept_counts) == 3 and min(kept_counts) < 3  # branches through all 3 levels, and shorter ones
+
+
+def test_an_lm_drafter_reads_only_what_its_levels_did_not():
+    """The target drafting for itself on a (4, 2, 1) chain accepts all 3 draft tokens a step; the first two were
+    read by the level forwards, so a step's catch-up reads the third and the bonus token: 2 tokens, not 4."""
+    from eagle_fsd.tree.shape import TreeShape
+
+    target = tiny_model("llama", seed=1)
+    model = EaFsdModel(target, None, LMDrafter(target, 1000), shape=TreeShape(4, 2, 1))
+    reads = []
+    extend = model.drafter.extend
+    model.drafter.extend = lambda tokens, hidden=None: reads.append(tokens.numel()) or extend(tokens, hidden)
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
+    out = model.generate(ids, max_new_tokens=40, eos_token_id=[], return_dict=True)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 40))
+    assert out.accept_lengths[:-1] == [3] * (len(out.accept_lengths) - 1)
+    assert reads[0] == 11 and reads[1:] == [2] * (len(reads) - 1)  # prompt + root, then per step
+
+
+@pytest.mark.parametrize("drafter_kind", ["lm", "eagle"])
+def test_the_tuner_times_the_catch_up_a_step_makes(drafter_kind):
+    """An LM drafter's catch-up reads the bonus token (its level entries are kept); an EAGLE head reads the accepted
+    tokens again with the target's features (three, the tuner's typical step)."""
+    from eagle_fsd.tune import DraftSetup
+
+    target = tiny_model("llama", seed=1)
+    drafter = make_drafter(drafter_kind, target, "llama")
+    context = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(2))
+    setup = DraftSetup(drafter, context, torch.randn(12, target.config.hidden_size), room=8)
+    reads = []
+    extend = drafter.extend
+    drafter.extend = lambda tokens, hidden=None: reads.append(tokens.numel()) or extend(tokens, hidden)
+    setup.extend()
+    assert reads == [1 if drafter_kind == "lm" else 3] and drafter.length == setup.length

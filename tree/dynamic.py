@@ -52,6 +52,12 @@ class DraftTree:
         full = logprobs.new_full((logprobs.shape[0], vocab_size), float("-inf"))
         return full.index_copy_(1, self.draft_vocab, logprobs)
 
+    def level_slots(self, path: torch.Tensor) -> torch.Tensor:
+        """For each draft node of an accepted path (path[1:]), the row of the level forwards that expanded it, in
+        the order the drafter appended them (level L's j-th node at L * top_k + j): dist_index - 1, negative for a
+        node no level forward read."""
+        return self.dist_index[path[1:]] - 1
+
     @property
     def draft_logprobs(self) -> torch.Tensor:
         """Draft log-probs over the draft model's logit width (the target vocabulary when not reduced)."""

@@ -91,7 +91,10 @@ class DraftSetup:
         drafter.reset(context.numel() + room)
         self.logits, self.state = drafter.prefill(context[:-1], context[-1], target_hidden[:-1])
         self.length = drafter.length
-        self.tokens, self.hidden = context[-3:], target_hidden[-3:]
+        # a step's catch-up: three accepted tokens, or for a drafter that keeps its level entries
+        # (Drafter.keep_levels) mostly the bonus token alone
+        read = 3 if drafter.reads_features else 1
+        self.tokens, self.hidden = context[-read:], target_hidden[-read:]
 
     def level(self, k: int) -> None:
         """Level 0 of a tree: the root's top-k children, one draft forward."""
@@ -103,7 +106,7 @@ class DraftSetup:
         d.rollback()
 
     def extend(self) -> None:
-        """A catch-up over three accepted tokens, then back."""
+        """A step's catch-up, then back."""
         d = self.drafter
         d.extend(self.tokens, self.hidden)
         d.rewind(self.length)

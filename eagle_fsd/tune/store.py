@@ -21,7 +21,7 @@ from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measu
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import describe_age
 
-TUNE_VERSION = 4
+TUNE_VERSION = 5  # 5: an LM drafter's catch-up timed over the one token it reads (Drafter.keep_levels)
 CPU_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
