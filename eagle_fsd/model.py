@@ -82,12 +82,18 @@ class DrafterReader:
         self.root_logits = self.root_state = None
         self.behind: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def read_prompt(self) -> bool:
+        """Read the prompt if not yet read (the first draft's prefill); True when it did."""
+        if self.unread_prompt is None:
+            return False
+        self.root_logits, self.root_state = self.drafter.prefill(*self.unread_prompt)
+        self.unread_prompt = None
+        return True
+
     def at_root(self):
         """(logits, state) at the root; on the first draft the drafter reads the prompt, and back from plain decoding
         what it missed, in one forward."""
-        if self.unread_prompt is not None:
-            self.root_logits, self.root_state = self.drafter.prefill(*self.unread_prompt)
-            self.unread_prompt = None
+        self.read_prompt()
         if self.behind:
             self.root_logits, self.root_state = self.drafter.extend(torch.cat([t for t, _ in self.behind]),
                                                                     torch.cat([h for _, h in self.behind]))
@@ -314,8 +320,10 @@ class EaFsdModel(torch.nn.Module):
         guard = None if drafter is None else self._speed_guard(fsd) if shape is None else SpeedGuard(None)
         clock = PhaseClock(sync=profile)
         while not done:
-            step_start = clock.last
             speculate = drafter is not None and guard.speculate()
+            if speculate and reader.read_prompt():
+                clock.lap("draft_prefill")  # once a call, like the target's prefill: not a step's cost
+            step_start = clock.last
             tree = self._draft(reader, root, tree_shape) if speculate else chain_tree(root.reshape(1))
             clock.lap("draft")
             step, features, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock, layers,

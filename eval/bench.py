@@ -41,7 +41,7 @@ from eagle_fsd.prompts import PromptFormat
 from eagle_fsd.presets import PRESETS, default_drafter, drafter_label, fetch_gguf, resolve_model
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
 
-PHASES = ("draft", "verify", "accept", "cache", "other")
+PHASES = ("draft_prefill", "draft", "verify", "accept", "cache", "other")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 plain decoding when speculation cannot pay, dtype "auto", and reduced draft vocabularies."""
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -218,6 +219,33 @@ def test_a_models_calls_under_one_rule_are_judged_as_one_generation():
     assert fuzzy.plain_steps < fuzzy.verify_steps and prefills == [1]
     # the FSD guard prices plain decoding with what the lossless calls' plain steps measured
     assert len(model._speed_guard(FsdConfig(threshold=0.5)).plain_seen) == first.plain_steps + second.plain_steps
+
+
+def slow_prompt_read(model, seconds):
+    """The drafter's prompt read made `seconds` slower (a long prompt)."""
+    prefill = model.drafter.prefill
+    model.drafter.prefill = lambda *args: time.sleep(seconds) or prefill(*args)
+
+
+def test_the_drafters_prompt_read_is_its_own_phase_not_a_steps_cost():
+    """The drafter reads the prompt at the first draft: timed as `draft_prefill`, left out of the step the guard
+    judges (a long prompt must not look like a losing step) and out of the tuner's per-step overhead."""
+    from eagle_fsd.tune.measure import measure_overhead
+
+    target = tiny_model("llama", seed=1)
+    tuning = tune.Tuning(shape=(4, 1, 1, 0), predicted_speedup=1.2, plain_ms=1e4, verify_ms={1: 1.0, 4: 1.2},
+                         speculate=True)
+    model = EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=2), 1000),
+                       shape=TreeShape(4, 1, 1), tuning=tuning)
+    slow_prompt_read(model, 0.3)
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=8, eos_token_id=[], return_dict=True)
+    assert out.phase_seconds["draft_prefill"] >= 0.3
+    steps = model._speed_guard(None).recent
+    assert len(steps) == out.verify_steps and max(seconds for seconds, *_ in steps) < 0.3
+    profile = tune.CostProfile(verify_ms={1: 1.0, 4: 1.0}, level_ms={(1, 0): 1.0}, extend_ms={0: 1.0},
+                               overhead_ms=0.0, plain_ms=10.0, tau={(4, 1, 1, 0): 2.0})
+    assert measure_overhead(model, ids[0], profile, new_tokens=8) < 0.3 * 1000 / 8 / 2
 
 
 def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):

@@ -347,9 +347,11 @@ def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_toke
     shape, _ = choose_shape(profile)
     runs = [model.generate(prompt[None], max_new_tokens=new_tokens, return_dict=True, shape=TreeShape(*shape))
             for _ in range(3)]
-    # the loop's time outside the target forward, less the modelled draft forwards (t_verify is timed apart)
+    # the loop's time outside the target forward and the drafter's one read of the prompt, less the modelled draft
+    # forwards (t_verify is timed apart)
     n, d, k, v = shape
     drafting = d * profile.level_ms[(k, v)] + profile.extend_ms[v]
-    measured = statistics.median(1000 * (sum(o.phase_seconds.values()) - o.phase_seconds["verify"]) / o.verify_steps
-                                 for o in runs)
+    per_step = (sum(o.phase_seconds.values()) - o.phase_seconds["verify"] - o.phase_seconds.get("draft_prefill", 0.0)
+                for o in runs)
+    measured = statistics.median(1000 * seconds / o.verify_steps for seconds, o in zip(per_step, runs))
     return max(0.0, measured - drafting)
