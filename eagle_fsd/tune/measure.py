@@ -351,7 +351,6 @@ def measure_overhead(model, prompt: torch.Tensor, profile: CostProfile, new_toke
     # forwards (t_verify is timed apart)
     n, d, k, v = shape
     drafting = d * profile.level_ms[(k, v)] + profile.extend_ms[v]
-    per_step = (sum(o.phase_seconds.values()) - o.phase_seconds["verify"] - o.phase_seconds.get("draft_prefill", 0.0)
-                for o in runs)
-    measured = statistics.median(1000 * seconds / o.verify_steps for seconds, o in zip(per_step, runs))
+    measured = statistics.median(1000 * (sum(o.phase_seconds.values()) - o.phase_seconds["verify"]
+                                         - o.phase_seconds.get("draft_prefill", 0.0)) / o.verify_steps for o in runs)
     return max(0.0, measured - drafting)
