@@ -18,12 +18,14 @@ from eagle_fsd.drafters import EagleDrafter, LMDrafter, load_eagle_head, read_he
 from eagle_fsd.dtypes import torch_dtype
 from eagle_fsd.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3_head
 from eagle_fsd.prepack import prepack_linears
+from eagle_fsd.product_store import quantize_cached
 from eagle_fsd.quant import quantize_linears
 from eagle_fsd.settings import AUTO, Settings
-from eagle_fsd.target_quant import activation_bits, int4_share, is_target_quantized, quantize_target
+from eagle_fsd.target_quant import activation_bits, int4_share, is_target_quantized
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
                             resolve_target_quant, target_quant_choice)
+from eagle_fsd.tune.dtype import load_device
 
 EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
 TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's names (and the draft vocabulary)
@@ -55,10 +57,19 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     fixed, auto = requested_tree(base_model in presets.PRESETS, tree)
     path = presets.resolve_model(base_model)
     kind, source = drafter_source(base_model, ea_model_path, draft_model)  # a bad head fails before the target loads
-    target, tokenizer = load_target(path, dtype, device_map, prepack, kwargs)
-    target_bits = resolve_target_quant(target_quant, target, base_model in presets.PRESETS, dtype != "auto", prepack)
+    config = AutoConfig.from_pretrained(path)
+    run_dtype = resolve_dtype(dtype, device_map, config, prepack) if dtype == "auto" else \
+        torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    target_bits = resolve_target_quant(target_quant, config, run_dtype, load_device(device_map),
+                                       base_model in presets.PRESETS, dtype != "auto", prepack)
+    # a target to be quantized loads as stored (its products are rounded from the checkpoint's own weights; a bf16
+    # checkpoint then maps in a second where converting it to fp32 takes half a minute); quantize_target makes
+    # every other parameter fp32
+    target, tokenizer = load_target(path, "auto" if target_bits and dtype == "auto" else run_dtype, device_map,
+                                    kwargs)
     if target_bits:
-        quantize_target(target, activation_bits(cpu_flags()), four_bit=target_bits == 4)
+        quantize_cached(target, activation_bits=activation_bits(cpu_flags()), exact=True, four_bit=target_bits == 4,
+                        requantize=False)
     drafter = build_drafter(kind, source, target, tokenizer, attention)
     prepare_weights(target, drafter, prepack, draft_quant)
     if drafter is None or not auto:
@@ -84,12 +95,8 @@ def requested_tree(preset: bool, tree: tuple) -> tuple[dict, list[str]]:
     return fixed, [name for name, v in zip(TREE_NAMES, values) if v == AUTO]
 
 
-def load_target(path: str, dtype, device_map, prepack, hf_kwargs: dict):
-    """(target model, tokenizer); dtype "auto" resolved on the model's own shape (eagle_fsd.tune.resolve_dtype)."""
-    if dtype == "auto":
-        dtype = resolve_dtype(dtype, device_map, AutoConfig.from_pretrained(path), prepack)
-    elif isinstance(dtype, str):
-        dtype = torch_dtype(dtype)
+def load_target(path: str, dtype, device_map, hf_kwargs: dict):
+    """(target model, tokenizer) in `dtype` (a torch.dtype, or "auto": as the checkpoint stores it)."""
     load = dict(dtype=dtype, device_map=device_map, attn_implementation=ATTENTION_NAME, **hf_kwargs)
     return AutoModelForCausalLM.from_pretrained(path, **load).eval(), AutoTokenizer.from_pretrained(path)
 
@@ -101,7 +108,7 @@ def prepare_weights(target, drafter, prepack, draft_quant) -> None:
     bytes of int8 make each draft forward cheaper), else int8; its inputs are fp32 then."""
     if is_target_quantized(target) and draft_quant == "auto" and drafter is not None and drafter.auto_quant:
         four_bit = int4_share(target) > 0
-        quantize_target(drafter.module, activation_bits(cpu_flags()), exact=False, four_bit=four_bit,
+        quantize_cached(drafter.module, activation_bits=activation_bits(cpu_flags()), exact=False, four_bit=four_bit,
                         requantize=four_bit)
         return
     if resolve_prepack(prepack, target):

@@ -139,6 +139,38 @@ class Int8Product:
         else:
             self.packed = pack_int8(weight)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors `from_state` rebuilds this product from without its weight: codes, scales, bias and
+        `info` = (8, out, in, activation bits, per row, int8_rows)."""
+        info = torch.tensor([8, self.out_features, self.in_features, self.activation_bits, self.per_row, self.avx2])
+        if self.avx2:
+            tensors = {"packed": self.packed, "qsum": self.qsum, "scale": self.scale}
+        else:  # FBGEMM's packed weight is opaque: its int8 codes and per-channel scales
+            weight, _ = torch.ops.quantized.linear_unpack(self.packed)
+            tensors = {"codes": weight.int_repr(), "scale": weight.q_per_channel_scales()}
+        return {"info": info, **tensors, **({} if self.bias is None else {"bias": self.bias})}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> Int8Product:
+        """The product `state` describes, bit for bit the one it came from."""
+        product = cls.__new__(cls)
+        _, product.out_features, product.in_features, bits, per_row, avx2 = state["info"].tolist()
+        product.activation_bits, product.per_row, product.avx2 = bits, bool(per_row), bool(avx2)
+        product.levels = 2 ** (bits - 1) - 1
+        product.bias = state.get("bias")
+        if product.avx2:
+            product.packed, product.qsum, product.scale = state["packed"], state["qsum"], state["scale"]
+            product.padded_bias = None if product.bias is None else \
+                F.pad(product.bias, (0, product.scale.numel() - product.out_features))
+        else:
+            codes = state["codes"]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                weight = torch._make_per_channel_quantized_tensor(
+                    codes, state["scale"], torch.zeros(codes.shape[0], dtype=torch.long), 0)
+            product.packed = torch.ops.quantized.linear_prepack(weight, None)
+        return product
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError("int8 layers run on the CPU only; quantize the target after moving it")
@@ -167,6 +199,18 @@ class Int4Product:
         self.out_features, self.in_features = weight.shape
         self.packed = pack_int4(*quantize_int4(weight))
         self.bias = None if bias is None else bias.detach().float()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The packed codes, bias and `info` = (4, out, in, 8, 1, 0), from which `from_state` rebuilds this product."""
+        info = torch.tensor([4, self.out_features, self.in_features, 8, 1, 0])
+        return {"info": info, "packed": self.packed, **({} if self.bias is None else {"bias": self.bias})}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> Int4Product:
+        product = cls.__new__(cls)
+        product.out_features, product.in_features = state["info"].tolist()[1:3]
+        product.packed, product.bias = state["packed"], state.get("bias")
+        return product
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -273,24 +317,44 @@ class RowQuantLinear(nn.Linear):
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one module reading one input
 
 
+def product_from_state(state: dict[str, torch.Tensor]):
+    """The Int4Product or Int8Product whose `state()` this is."""
+    return (Int4Product if int(state["info"][0]) == 4 else Int8Product).from_state(state)
+
+
+def stored(store, name: str, shape: torch.Size, build):
+    """`build()`, or the product a store (eagle_fsd.product_store.ProductStore; None: no store) keeps under `name`
+    for a weight of `shape`."""
+    return build() if store is None else store.product(name, tuple(shape), build)
+
+
 def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int | None, per_row: bool = True,
-                  four_bit: bool = False, requantize: bool = False) -> int:
+                  four_bit: bool = False, requantize: bool = False, store=None, prefix: str = "") -> int:
     """The linear layers `names` of `parent`, if all there with one input width, become RowQuantLinear columns of
-    SharedInputProducts: one over those that run int4 (`runs_int4`), one over the rest; returns how many."""
+    SharedInputProducts: one over those that run int4 (`runs_int4`), one over the rest; returns how many. store,
+    prefix: products are kept in / read from `store` as "{prefix}q_proj+k_proj+v_proj" and the like."""
     layers = [getattr(parent, name, None) for name in names]
     if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowQuantLinear) for layer in layers) \
             or len({layer.in_features for layer in layers}) != 1:
         return 0
-    kinds = [runs_int4(layer.weight, four_bit, requantize) for layer in layers]
+    kept = None if store is None else store.kinds(prefix, {name: tuple(layer.weight.shape)
+                                                          for name, layer in zip(names, layers)})
+    kinds = [kept[name] for name in names] if kept else [runs_int4(layer.weight, four_bit, requantize)
+                                                          for layer in layers]
     for kind in set(kinds):
         members = [(name, layer) for name, layer, k in zip(names, layers, kinds) if k == kind]
-        biases = None
-        if any(layer.bias is not None for _, layer in members):
-            biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
-                                else torch.zeros(layer.out_features) for _, layer in members])
-        weight = torch.cat([layer.weight.detach() for _, layer in members])
-        product = SharedInputProduct(Int4Product(weight, biases) if kind else
-                                     Int8Product(weight, biases, activation_bits, per_row), readers=len(members))
+
+        def build(members=members, kind=kind):
+            biases = None
+            if any(layer.bias is not None for _, layer in members):
+                biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
+                                    else torch.zeros(layer.out_features) for _, layer in members])
+            weight = torch.cat([layer.weight.detach() for _, layer in members])
+            return Int4Product(weight, biases) if kind else Int8Product(weight, biases, activation_bits, per_row)
+
+        shape = (sum(layer.out_features for _, layer in members), members[0][1].in_features)
+        name = prefix + "+".join(name for name, _ in members)
+        product = SharedInputProduct(stored(store, name, shape, build), readers=len(members))
         start = 0
         for name, layer in members:
             columns = slice(start, start + layer.out_features)
@@ -301,25 +365,30 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
 
 
 def quantize_target(model: nn.Module, activation_bits: int | None = None, exact: bool = True, four_bit: bool = False,
-                    requantize: bool = False) -> int:
+                    requantize: bool = False, store=None) -> int:
     """Every linear layer of `model` (plain or prepacked) becomes a RowQuantLinear, and every other parameter fp32,
     so that the activations between the quantized products stay fp32; returns how many layers. The linear weights
     keep their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact:
     attention in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only
     moves acceptance, goes without both. four_bit: layers whose weights are 4-bit already run the int4 kernel (where
     this CPU has it: AVX-512 VNNI or AVX2), the others int8. requantize (with four_bit; a drafter, not exact): every layer
-    whose input width is whole groups of 32 is rounded to 4 bits and runs int4, 4-bit already or not."""
+    whose input width is whole groups of 32 is rounded to 4 bits and runs int4, 4-bit already or not. store: an
+    eagle_fsd.product_store.ProductStore for these settings, which serves the products built before (by module name)
+    and keeps the new ones."""
     if not row_int8_supported(next(model.parameters()).device):
         raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
                          f"{torch.__version__} or device lacks it. Use target_quant 'off'")
     four_bit = four_bit and int4_rows_available()
     swapped = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
+        prefix = f"{parent_name}." if parent_name else ""
         for names in SIBLINGS:
-            swapped += share_product(parent, names, activation_bits, exact, four_bit, requantize)
+            swapped += share_product(parent, names, activation_bits, exact, four_bit, requantize, store, prefix)
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and not isinstance(child, RowQuantLinear):
-                setattr(parent, name, RowQuantLinear.from_linear(child, activation_bits, exact, four_bit, requantize))
+                product = stored(store, prefix + name, child.weight.shape, lambda: make_product(
+                    child.weight, child.bias, activation_bits, exact, four_bit, requantize))
+                setattr(parent, name, RowQuantLinear.from_weight(child.weight, child.bias, product=product))
                 swapped += 1
     setattr(model.config, FP64_ATTENTION, exact)  # row-exact attention (eagle_fsd.attention)
     for module in model.modules():

@@ -18,6 +18,15 @@ def quiet_machine(monkeypatch):
     monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(1.0)))
 
 
+@pytest.fixture(autouse=True)
+def kernel_races_in_tmp(tmp_path, monkeypatch):
+    """Kernel timings (eagle_fsd.tune.dtype.raced_ms) are kept in the test's own folder: a fake timing never
+    reaches the machine's cache, and none found there decides a test."""
+    from eagle_fsd.tune import dtype as tune_dtype
+
+    monkeypatch.setattr(tune_dtype, "race_path", lambda: tmp_path / "kernel_races.json")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls: intra-op threads only add contention (a 30-token generate goes from ~0.5 s to ~10 s on a busy

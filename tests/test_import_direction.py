@@ -42,6 +42,7 @@ LAYER_OF = {
     "eagle_fsd.presets": "loading",
     "eagle_fsd.settings": "loading",
     "eagle_fsd.loading": "loading",
+    "eagle_fsd.product_store": "loading",  # quantized products kept in the per-machine cache
     "eagle_fsd": "engine",
     "eagle_fsd.model": "engine",
     "eagle_fsd.guard": "engine",

@@ -167,7 +167,7 @@ def test_int4_is_chosen_when_it_times_faster_with_the_drafters_activations(monke
     over a draft level's few rows; chosen exactly when it times faster."""
     timed = []
 
-    def fake_ms(hidden, intermediate, kinds, rows):
+    def fake_ms(hidden, intermediate, kinds, rows, watch=None):
         timed.append((kinds, rows))
         return {current: 2.0, int4: int4_ms}
 

@@ -216,40 +216,45 @@ def test_draft_vocabulary_of_a_quantized_head_scores_its_rows():
     assert torch.equal(drafter.draft_head(hidden), full[:, ids])
 
 
+def described(model):
+    """What resolve_target_quant decides on before a target loads: its config, dtype and device."""
+    return model.config, model.dtype, model.device
+
+
 def test_resolve_target_quant_rules(monkeypatch):
     target = tiny_model("llama", seed=0)
-    assert resolve_target_quant("off", target, True, False) == 0
-    assert resolve_target_quant("int8", target, False, True) == 8  # forced: any model, any dtype
+    assert resolve_target_quant("off", *described(target), True, False) == 0
+    assert resolve_target_quant("int8", *described(target), False, True) == 8  # forced: any model, any dtype
     for spelling in ("on", "int2", True):
         with pytest.raises(ValueError, match=f"target_quant={spelling!r}: use 'auto', 'int4', 'int8' or 'off'"):
-            resolve_target_quant(spelling, target, True, False)
+            resolve_target_quant(spelling, *described(target), True, False)
     calls = []
 
     def timing(int8_ms, int4_ms=20.0):
-        def mlp_kernel_ms(hidden, intermediate, kinds, rows=(1, 4, 8)):
+        def mlp_kernel_ms(hidden, intermediate, kinds, rows=(1, 4, 8), watch=None):
             calls.append(kinds)
             return {kind: {"int8-rows": int8_ms, "int4-rows": int4_ms}.get(kind, 10.0) for kind in kinds}
         return mlp_kernel_ms
     monkeypatch.setattr(tune_dtype, "int4_rows_available", lambda: True)
-    tune_dtype.fastest_target_bits.cache_clear()
+    tune_dtype.forget_races()  # kept timings and choices
     monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0))  # int8 faster than every float kernel and int4
-    assert resolve_target_quant("auto", target, True, False) == 8
+    assert resolve_target_quant("auto", *described(target), True, False) == 8
     assert {"int8-rows", "int4-rows"} <= set(calls[-1]) and len(calls[-1]) >= 3
-    assert resolve_target_quant("auto", target, False, False) == 0  # a hub id or directory: float weights
-    assert resolve_target_quant("auto", target, True, True) == 0  # a dtype named: that precision
-    tune_dtype.fastest_target_bits.cache_clear()
+    assert resolve_target_quant("auto", *described(target), False, False) == 0  # a hub id or directory: float weights
+    assert resolve_target_quant("auto", *described(target), True, True) == 0  # a dtype named: that precision
+    tune_dtype.forget_races()  # kept timings and choices
     monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0, 2.0))  # int4 fastest
-    assert resolve_target_quant("auto", target, True, False) == 4
-    tune_dtype.fastest_target_bits.cache_clear()
+    assert resolve_target_quant("auto", *described(target), True, False) == 4
+    tune_dtype.forget_races()  # kept timings and choices
     monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(12.0))  # both slower: the float kernels stay
-    assert resolve_target_quant("auto", target, True, False) == 0
-    tune_dtype.fastest_target_bits.cache_clear()
+    assert resolve_target_quant("auto", *described(target), True, False) == 0
+    tune_dtype.forget_races()  # kept timings and choices
     monkeypatch.setattr(tune_dtype, "int4_rows_available", lambda: False)  # no VNNI / compiler: int4 not timed
     monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", timing(4.0, 2.0))
-    assert resolve_target_quant("auto", target, True, False) == 8 and "int4-rows" not in calls[-1]
+    assert resolve_target_quant("auto", *described(target), True, False) == 8 and "int4-rows" not in calls[-1]
     with pytest.raises(ValueError, match="target_quant int4 needs a CPU with AVX-512 VNNI"):
-        resolve_target_quant("int4", target, True, False)
-    tune_dtype.fastest_target_bits.cache_clear()
+        resolve_target_quant("int4", *described(target), True, False)
+    tune_dtype.forget_races()  # kept timings and choices
 
 
 def test_activation_bits_follow_vnni():

@@ -399,3 +399,38 @@ def test_frequency_tables_order_and_select():
         vocab.draft_vocab(order, 9)
     assert vocab.candidate_sizes(49152, cheap_drafter=True) == [12288, 6144]
     assert vocab.candidate_sizes(151936, cheap_drafter=False) == [37888]
+
+
+def test_kernel_races_are_kept_per_machine_when_quiet(monkeypatch):
+    """raced_ms times once and serves the kept result after (not when the machine was busy), apart per shape, kinds,
+    rows and threads; forget_races (tune --force) drops them."""
+    from eagle_fsd.tune import dtype as tune_dtype
+    from eagle_fsd.tune.trust import TimingWatch
+    from tiny import machine_clocks
+
+    timed = []
+    real = tune_dtype.mlp_kernel_ms
+
+    def counting(*args, **kwargs):
+        timed.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", counting)
+    first = tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
+    assert set(first) == {"fp32"} and len(timed) == 1
+    assert tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,)) == first and len(timed) == 1  # kept
+    tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1, 2))  # other rows: timed
+    tune_dtype.raced_ms(256, 512, ("fp32",), rows=(1,))  # another shape: timed
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))  # other threads: timed
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) == 4
+    tune_dtype.forget_races()
+    assert not tune_dtype.race_path().exists()
+    monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(0.3)))  # a busy machine
+    tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
+    tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
+    assert len(timed) == 6 and not tune_dtype.race_path().exists()  # timed each time, never kept

@@ -12,6 +12,7 @@ from eagle_fsd.loading import drafter_name as preset_drafter_name
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.target_quant import weights_label
 from eagle_fsd.settings import DTYPE_NAMES, add_kernel_args
+from eagle_fsd.tune.dtype import forget_races
 from eagle_fsd.tune.measure import TuneSettings
 from eagle_fsd.tune.profile import CostProfile, choose_shape
 from eagle_fsd.tune.store import load_or_measure, read_profile
@@ -27,8 +28,9 @@ def main(argv=None) -> int:
     add_kernel_args(p)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--force", action="store_true",
-                   help="measure again even if a cached profile exists, and cache the result even if the machine "
-                        "was busy while tuning (without it a busy machine's profile is used once, not cached)")
+                   help="measure again even if a cached profile exists (the kernel choices too), and cache the "
+                        "result even if the machine was busy while tuning (without it a busy machine's profile is "
+                        "used once, not cached)")
     p.add_argument("--top", type=int, default=8, help="print the N best shapes")
     p.add_argument("--plot", default=None, help="write the cost curves (t_verify(n) / t_verify(1)) to this PNG")
     p.add_argument("--mtbench", type=int, default=0, metavar="N",
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.force:
+        forget_races()  # the kernel choices (dtype, prepacking, int4 / int8) are timed again too
     model = EaFsdModel.from_pretrained(args.model, ea_model_path=args.ea_model_path, draft_model=args.drafter,
                                        dtype=args.dtype, total_token=1, depth=1, top_k=1, draft_vocab=0,  # measured below
                                        prepack=args.prepack, draft_quant=args.draft_quant,

@@ -6,16 +6,23 @@ weights are 4-bit, on CPU where that measures faster (eagle_fsd.target_quant).""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
+import os
 from pathlib import Path
 
 import torch
 
+from eagle_fsd.files import atomic_write_text, cache_dir
+from eagle_fsd.kernels.int8_rows import int8_rows_available
+
 from eagle_fsd.prepack import is_prepacked, pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
-from eagle_fsd.kernels.int4_rows import int4_rows_available
+from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, row_int8_supported
-from eagle_fsd.tune.measure import timed_rounds
+from eagle_fsd.tune.measure import device_name, timed_rounds
+from eagle_fsd.tune.trust import CPU_CAP_VARS, TimingWatch
 
 
 def cpu_flags() -> set[str]:
@@ -35,7 +42,8 @@ def native_bf16(flags: set[str] | None = None) -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
-def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8)) -> dict[str, float]:
+def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8),
+                  watch: TimingWatch | None = None) -> dict[str, float]:
     """Time of the MLP up-projection (hidden -> intermediate) over `rows` rows together (plain steps and small
     trees) for each kind of kernel ("fp32", "bf16", "fp32-packed", "bf16-packed"; "int4" / "int4-fp32": int4 weights
     with bf16 / fp32 activations; "int8-rows" / "int4-rows": eagle_fsd.target_quant), timed round-robin. The weights rotate over copies totalling 128 MB in fp32, so
@@ -70,14 +78,59 @@ def mlp_kernel_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(
                   "int4": x32.bfloat16(), "int4-fp32": x32, "int8-rows": x32, "int4-rows": x32}
         for kind in kinds:
             fns[(kind, n)] = lambda f=kernels[kind], x=inputs[kind], ws=weights[kind]: [f(x, w) for w in ws]
-    timed = timed_rounds(fns, rounds=9)
+    timed = timed_rounds(fns, rounds=9, watch=watch)
     return {kind: sum(t for (name, _), t in timed.items() if name == kind) for kind in kinds}
+
+
+RACE_VERSION = 1  # bump when mlp_kernel_ms times another thing
+
+
+def race_path() -> Path:
+    return cache_dir() / "tune" / "kernel_races.json"
+
+
+def raced_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4, 8)) -> dict[str, float]:
+    """`mlp_kernel_ms`, timed once per machine (CPU, its flags and instruction-set caps, threads, torch, our kernel
+    builds) and kept in `race_path()` when the machine was quiet (eagle_fsd.tune.trust); `eagle-fsd tune --force`
+    times again."""
+    key = json.dumps({"cpu": device_name(torch.device("cpu")), "flags": sorted(cpu_flags()),
+                      "caps": {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ},
+                      "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0],
+                      "int4_build": int4_rows_isa(), "int8_rows": int8_rows_available(), "version": RACE_VERSION,
+                      "shape": [hidden, intermediate], "kinds": list(kinds), "rows": list(rows)}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    races = read_races()
+    if digest in races:
+        return races[digest]
+    watch = TimingWatch(torch.get_num_threads())
+    ms = mlp_kernel_ms(hidden, intermediate, kinds, rows, watch=watch)
+    if watch.busy_reason() is None:
+        races = read_races()  # another process may have added its own since
+        races[digest] = ms
+        race_path().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(race_path(), json.dumps(races, indent=1, sort_keys=True))
+    return ms
+
+
+def read_races() -> dict[str, dict[str, float]]:
+    """{key digest: ms by kernel kind} of the kernel races kept on this machine ({} if none or unreadable)."""
+    try:
+        races = json.loads(race_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return races if isinstance(races, dict) else {}
+
+
+def forget_races() -> None:
+    """Drops the kept kernel races (`eagle-fsd tune --force`): the next load times them again."""
+    race_path().unlink(missing_ok=True)
+    fastest_kind.cache_clear(), int4_measures_faster.cache_clear(), fastest_target_bits.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
 def fastest_kind(hidden: int, intermediate: int, kinds: tuple[str, ...]) -> str:
     """The kernel kind of `kinds` that takes least time on the model's MLP shape (`mlp_kernel_ms`)."""
-    ms = mlp_kernel_ms(hidden, intermediate, kinds)
+    ms = raced_ms(hidden, intermediate, kinds)
     return min(kinds, key=ms.__getitem__)
 
 
@@ -104,8 +157,7 @@ def resolve_dtype(dtype, device_map=None, config=None, prepack="auto"):
     returned unchanged."""
     if dtype != "auto":
         return dtype
-    on_cuda = torch.cuda.is_available() and device_map is not None and "cpu" not in str(device_map)
-    if on_cuda:
+    if load_device(device_map).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if not native_bf16():
         return torch.float32
@@ -174,7 +226,7 @@ def int4_measures_faster(hidden: int, intermediate: int, current: str) -> bool:
     """int4 weights against the `current` kernel kind on the drafter's MLP shape (`mlp_kernel_ms`), activations
     in the drafter's dtype, over the few rows that int4 serves (eagle_fsd.quant.MAX_QUANT_ROWS)."""
     int4 = "int4-fp32" if current.startswith("fp32") else "int4"
-    ms = mlp_kernel_ms(hidden, intermediate, (current, int4), rows=(1, 2, 4))  # a draft level's nodes
+    ms = raced_ms(hidden, intermediate, (current, int4), rows=(1, 2, 4))  # a draft level's nodes
     return ms[int4] < ms[current]
 
 
@@ -188,20 +240,28 @@ def target_quant_choice(target_quant) -> str:
     return target_quant
 
 
-def resolve_target_quant(target_quant, target, preset: bool, dtype_given: bool, prepack="auto") -> int:
-    """Bits of the target's quantized linear layers (eagle_fsd.target_quant): 0 (float weights), 8 (int8 x int8) or
-    4 (int4 x int8 for the weights that are 4-bit already, int8 x int8 for the rest). "auto": on a CPU with the
-    kernels, for a preset target (its weights are a GGUF's, already rounded to 4-6 bits) loaded with dtype "auto",
-    the kernel that measures fastest on its MLP shape over 1 to 16 rows (plain steps and trees) among the float
-    kernels the target may run under `prepack`, int8 and int4; a model given by hub id or directory, or a dtype
-    named, keeps its float weights. "int8" / "int4" force it."""
+def load_device(device_map) -> torch.device:
+    """The device a model loaded with `device_map` lands on: CUDA where named (or "auto" with a GPU), else the CPU."""
+    on_cuda = torch.cuda.is_available() and device_map is not None and "cpu" not in str(device_map)
+    return torch.device("cuda" if on_cuda else "cpu")
+
+
+def resolve_target_quant(target_quant, config, dtype: torch.dtype, device: torch.device, preset: bool,
+                         dtype_given: bool, prepack="auto") -> int:
+    """Bits of the target's quantized linear layers (eagle_fsd.target_quant), decided before it loads from its
+    `config`, the `dtype` it would run in and its `device`: 0 (float weights), 8 (int8 x int8) or 4 (int4 x int8 for
+    the weights that are 4-bit already, int8 x int8 for the rest). "auto": on a CPU with the kernels, for a preset
+    target (its weights are a GGUF's, already rounded to 4-6 bits) loaded with dtype "auto", the kernel that measures
+    fastest on its MLP shape over 1 to 16 rows (plain steps and trees) among the float kernels the target may run
+    under `prepack`, int8 and int4; a model given by hub id or directory, or a dtype named, keeps its float weights.
+    "int8" / "int4" force it."""
     if target_quant_choice(target_quant) == "off":
         return 0
-    supported = row_int8_supported(target.device)
+    supported = row_int8_supported(device)
     if target_quant in ("int8", "int4"):
         if not supported:
             raise ValueError(f"target_quant {target_quant} needs a target on the CPU and PyTorch's FBGEMM int8 linear; "
-                             f"this target is on {target.device} (PyTorch {torch.__version__}). Use 'auto' or 'off'")
+                             f"this target is on {device} (PyTorch {torch.__version__}). Use 'auto' or 'off'")
         if target_quant == "int4" and not int4_rows_available():
             raise ValueError("target_quant int4 needs a CPU with AVX-512 VNNI or AVX2 (within ATEN_CPU_CAPABILITY) and a "
                              "C++ compiler with ninja to build eagle_fsd.kernels.int4_rows on first use; use 'int8' or "
@@ -209,7 +269,7 @@ def resolve_target_quant(target_quant, target, preset: bool, dtype_given: bool, 
         return 4 if target_quant == "int4" else 8
     if not (supported and preset and not dtype_given):
         return 0
-    return fastest_target_bits(*mlp_shape(target.config), candidate_kinds(target.dtype, prepack))
+    return fastest_target_bits(*mlp_shape(config), candidate_kinds(dtype, prepack))
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,5 +277,5 @@ def fastest_target_bits(hidden: int, intermediate: int, kinds: tuple[str, ...]) 
     """8 or 4 where int8 x int8 or int4 x int8 (eagle_fsd.target_quant) is the fastest kernel on the MLP shape
     against each float kernel kind of `kinds`, else 0."""
     quantized = ("int8-rows", "int4-rows") if int4_rows_available() else ("int8-rows",)
-    ms = mlp_kernel_ms(hidden, intermediate, (*kinds, *quantized), rows=(1, 4, 8, 16))
+    ms = raced_ms(hidden, intermediate, (*kinds, *quantized), rows=(1, 4, 8, 16))
     return {"int8-rows": 8, "int4-rows": 4}.get(min(ms, key=ms.__getitem__), 0)

@@ -19,10 +19,9 @@ from eagle_fsd.quant import quant_bits
 from eagle_fsd.target_quant import int4_share, is_target_quantized, runs_int8_rows
 from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
-from eagle_fsd.tune.trust import describe_age
+from eagle_fsd.tune.trust import CPU_CAP_VARS, describe_age
 
 TUNE_VERSION = 5  # 5: an LM drafter's catch-up timed over the one token it reads (Drafter.keep_levels)
-CPU_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:

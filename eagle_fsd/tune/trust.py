@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 MIN_SHARE = 0.8
 MAX_SPREAD = 0.25
+CPU_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # cap what a CPU may run
 
 
 def relative_spread(samples: list[float]) -> float:
