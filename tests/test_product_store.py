@@ -154,22 +154,24 @@ def test_kinds_of_siblings_come_from_their_saved_products(tmp_path):
     assert store.kinds("layers.0.attn.", {**shapes, "o_proj": (64, 64)}) is None  # o_proj not saved
 
 
-def test_a_quantized_preset_loads_as_stored_and_decodes_as_if_converted_first():
-    """The loader maps a preset target to be quantized in its checkpoint's dtype and makes only the rest fp32: the
-    model equals the one loaded in fp32 and then quantized (without any store), logit for logit."""
-    from eagle_fsd import presets
+def test_a_target_to_quantize_loads_as_stored_and_decodes_as_if_converted_first(tmp_path, monkeypatch):
+    """The loader maps a bf16 checkpoint to be quantized as bf16 and makes only the rest fp32: the model equals the
+    one loaded in fp32 and then quantized (without any store), logit for logit."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
     from eagle_fsd.model import EaFsdModel
     from eagle_fsd.target_quant import cpu_activation_bits
 
-    if not presets.is_fetched("smollm2-135m-instruct"):
-        pytest.skip("needs the SmolLM2 preset: eagle-fsd models fetch smollm2-135m-instruct")
-    path = presets.resolve_model("smollm2-135m-instruct")
-    model = EaFsdModel.from_pretrained("smollm2-135m-instruct", target_quant="int8", total_token=4, depth=2, top_k=2,
-                                       draft_vocab=0).base_model
-    stored = AutoModelForCausalLM.from_pretrained(path, dtype="auto").dtype
-    converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+    monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "bf16-model"
+    saved_model(folder).to(torch.bfloat16).save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({**{f"t{i}": i for i in range(999)}, "[UNK]": 999}, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+    model = EaFsdModel.from_pretrained(str(folder), target_quant="int8").base_model
+    converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                      attn_implementation="eagle_fsd").eval()
     quantize_target(converted, cpu_activation_bits())
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == stored  # mapped as stored, read by no product
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16  # mapped as stored, read by no product
     assert model.model.norm.weight.dtype == torch.float32 and model.dtype == torch.float32
     assert torch.equal(logits(model), logits(converted))
