@@ -58,8 +58,8 @@ def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draf
     path = presets.resolve_model(base_model)
     kind, source = drafter_source(base_model, ea_model_path, draft_model)  # a bad head fails before the target loads
     config = AutoConfig.from_pretrained(path)
-    run_dtype = resolve_dtype(dtype, device_map, config, prepack) if dtype == "auto" else \
-        torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    run_dtype = resolve_dtype(dtype, device_map, config, prepack)  # "auto" resolved, anything else as given
+    run_dtype = torch_dtype(run_dtype) if isinstance(run_dtype, str) else run_dtype
     target_bits = resolve_target_quant(target_quant, config, run_dtype, load_device(device_map),
                                        base_model in presets.PRESETS, dtype != "auto", prepack)
     # a target to be quantized loads as stored (its products are rounded from the checkpoint's own weights; a bf16

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.files import atomic_write_text, cache_dir
+from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa
 from eagle_fsd.kernels.int8_rows import int8_rows_available
-
 from eagle_fsd.prepack import is_prepacked, pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
-from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, row_int8_supported
 from eagle_fsd.tune.measure import device_name, timed_rounds
 from eagle_fsd.tune.trust import CPU_CAP_VARS, TimingWatch
@@ -93,10 +92,11 @@ def raced_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4,
     """`mlp_kernel_ms`, timed once per machine (CPU, its flags and instruction-set caps, threads, torch, our kernel
     builds) and kept in `race_path()` when the machine was quiet (eagle_fsd.tune.trust); `eagle-fsd tune --force`
     times again."""
+    ours = {"int4-rows", "int8-rows"} & set(kinds)  # our kernels' builds count only where they race
     key = json.dumps({"cpu": device_name(torch.device("cpu")), "flags": sorted(cpu_flags()),
                       "caps": {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ},
                       "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0],
-                      "int4_build": int4_rows_isa(), "int8_rows": int8_rows_available(), "version": RACE_VERSION,
+                      "builds": [int4_rows_isa(), int8_rows_available()] if ours else None, "version": RACE_VERSION,
                       "shape": [hidden, intermediate], "kinds": list(kinds), "rows": list(rows)}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     races = read_races()
