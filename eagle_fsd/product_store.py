@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle_fsd.files import cache_dir
@@ -23,28 +23,38 @@ STORE_VERSION = 1  # the products' layouts (pack_int4, pack_int8_rows, state());
 WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weights (and their shapes) live in
 
 
-def products_path(model: torch.nn.Module, **settings) -> Path | None:
-    """Where `quantize_target(model, **settings)` keeps its products: a file per model folder (its weight files'
-    names, sizes and modification times), weight dtype, settings, kernel builds and STORE_VERSION; None for a model
-    not loaded from a local folder."""
+def model_source(model: torch.nn.Module) -> dict | None:
+    """{"folder": the local folder `model` was loaded from, "weights": its weight files' names, sizes and
+    modification times}; None for a model not loaded from a local folder."""
     name = getattr(model, "name_or_path", "") or ""
     folder = Path(name)
     if not name or not folder.is_dir():
         return None
-    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
-                   if f.suffix in WEIGHT_FILES)
-    key = {"files": files, "dtype": str(next(model.parameters()).dtype), "settings": settings,
+    weights = sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in folder.iterdir()
+                     if f.suffix in WEIGHT_FILES)
+    return {"folder": str(folder.resolve()), "weights": weights}
+
+
+def products_path(model: torch.nn.Module, **settings) -> Path | None:
+    """Where `quantize_target(model, **settings)` keeps its products: a file per `model_source` (folder and weight
+    files), weight dtype, settings, kernel builds and STORE_VERSION; None for a model not loaded from a local
+    folder."""
+    source = model_source(model)
+    if source is None:
+        return None
+    key = {"source": source, "dtype": str(next(model.parameters()).dtype), "settings": settings,
            "int4_build": int4_rows_isa(), "int8_rows": int8_rows_available(), "version": STORE_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "products" / f"{folder.name}-{digest}.safetensors"
+    return cache_dir() / "products" / f"{Path(source['folder']).name}-{digest}.safetensors"
 
 
 class ProductStore:
     """The products saved at `path` (none if it is missing or unreadable), served by module name, and the ones built
     since, which `save` adds to the file."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, source: dict | None = None):
         self.path = Path(path)
+        self.source = source  # model_source of the weights, recorded in the file
         self.saved: dict[str, dict[str, torch.Tensor]] = {}
         self.built: dict[str, object] = {}
         self.served = 0
@@ -89,9 +99,26 @@ class ProductStore:
                    for field, tensor in state.items()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata={"format": "eagle-fsd products", "version": str(STORE_VERSION)})
+        metadata = {"format": "eagle-fsd products", "version": str(STORE_VERSION), "source": json.dumps(self.source)}
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, self.path)
         self.saved, self.built = states, {}
+        self.drop_replaced()
+
+    def drop_replaced(self) -> None:
+        """Deletes the other product files of this folder made from weight files that are no longer there (the
+        model fetched or converted again): no load can be served from them."""
+        if self.source is None:
+            return
+        for other in self.path.parent.glob(f"{Path(self.source['folder']).name}-*.safetensors"):
+            try:
+                with safe_open(str(other), framework="pt") as f:
+                    source = json.loads((f.metadata() or {}).get("source") or "null")
+            except (SafetensorError, OSError, ValueError):
+                continue
+            if other != self.path and source and source["folder"] == self.source["folder"] \
+                    and source["weights"] != self.source["weights"]:
+                other.unlink(missing_ok=True)
 
 
 def quantize_cached(model: torch.nn.Module, **settings) -> int:
@@ -99,7 +126,7 @@ def quantize_cached(model: torch.nn.Module, **settings) -> int:
     from and added to the per-machine cache (`products_path`) when the model comes from a local folder; a cache that
     cannot be written costs the next load its time, nothing else."""
     path = products_path(model, **settings)
-    store = None if path is None else ProductStore(path)
+    store = None if path is None else ProductStore(path, model_source(model))
     swapped = quantize_target(model, store=store, **settings)
     if store is not None:
         try:

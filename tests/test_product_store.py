@@ -175,3 +175,24 @@ def test_a_target_to_quantize_loads_as_stored_and_decodes_as_if_converted_first(
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16  # mapped as stored, read by no product
     assert model.model.norm.weight.dtype == torch.float32 and model.dtype == torch.float32
     assert torch.equal(logits(model), logits(converted))
+
+
+def test_files_of_replaced_weights_are_dropped_and_no_others(tmp_path, monkeypatch):
+    """Saving products for a folder whose weight files changed deletes that folder's older files (they can never
+    serve again), keeps its files for other settings made from the current weights, and another folder's files."""
+    monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path / "cache"))
+    first = saved_model(tmp_path / "a" / "model")
+    namesake = saved_model(tmp_path / "b" / "model", seed=4)  # same folder name, other weights
+    quantize_cached(namesake, **SETTINGS["target"])
+    old_target = products_path(first, **SETTINGS["target"])
+    quantize_cached(first, **SETTINGS["target"])
+    weights = tmp_path / "a" / "model" / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # fetched again
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "model", attn_implementation="eagle_fsd").eval()
+    other_settings = products_path(again, **SETTINGS["drafter-int8"])
+    quantize_cached(again, **SETTINGS["drafter-int8"])
+    assert other_settings.is_file() and not old_target.is_file()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "model", attn_implementation="eagle_fsd").eval()
+    quantize_cached(again, **SETTINGS["target"])
+    assert other_settings.is_file() and products_path(again, **SETTINGS["target"]).is_file()
+    assert products_path(namesake, **SETTINGS["target"]).is_file()
