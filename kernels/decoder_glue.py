@@ -1,8 +1,8 @@
 """The steps between a decoder layer's products (RMSNorm, rotary embedding, SiLU-gated product, and attention over
 a cached prefix) as one C++ call each, for forwards of a few rows on a CPU (decoder_glue.cpp has the math).
 
-A C++ extension built on first use by torch.utils.cpp_extension (a C++ compiler and ninja; cached under
-TORCH_EXTENSIONS_DIR), for the widest vector instructions this CPU runs (AVX-512, AVX2, or none), capped like the
+A C++ extension built on first use by torch.utils.cpp_extension (a C++ compiler and ninja; cached as
+cpp_build says), for the widest vector instructions this CPU runs (AVX-512, AVX2, or none), capped like the
 int4 kernel by ATEN_CPU_CAPABILITY. Built with -ffp-contract=off: no multiply-add is fused, so every product and sum
 rounds as written, whichever build runs. `decoder_glue_available()` says whether it builds here; the `*_reference`
 functions are the same steps in float64, for tests.
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .cpp_build import load_extension
 from .int4_rows import CAPABILITY_ISAS, cpu_flags
 
 
@@ -30,13 +31,10 @@ def vector_isa() -> str:
 
 @functools.cache
 def _build(isa: str):
-    from torch.utils import cpp_extension
-    source = Path(__file__).with_name("decoder_glue.cpp")
     vector = [VECTOR_FLAGS[isa][1]] if isa in VECTOR_FLAGS else []
     # -fopenmp: at::parallel_for is OpenMP in a header, serial without it
-    return cpp_extension.load(name=f"eagle_fsd_decoder_glue_{isa}", sources=[str(source)], verbose=False,
-                              extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *vector],
-                              extra_ldflags=["-fopenmp"])
+    return load_extension(f"eagle_fsd_decoder_glue_{isa}", Path(__file__).with_name("decoder_glue.cpp"),
+                          ["-O3", "-fopenmp", "-ffp-contract=off", *vector], ["-fopenmp"])
 
 
 def _extension():

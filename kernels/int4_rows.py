@@ -2,7 +2,7 @@
 the math; both builds give the same bits).
 
 A C++ extension built on first use by torch.utils.cpp_extension (a C++ compiler and ninja; about a minute, cached
-under TORCH_EXTENSIONS_DIR). `int4_rows_isa()` names the build this machine runs (None: none), capped like PyTorch's
+as cpp_build says). `int4_rows_isa()` names the build this machine runs (None: none), capped like PyTorch's
 own kernels by ATEN_CPU_CAPABILITY (`ATEN_CPU_CAPABILITY=avx2` measures an AVX2-only CPU on a newer one);
 `int4_rows_reference` is the same product in float64 from the dequantized weights, for tests.
 """
@@ -12,6 +12,8 @@ import functools
 from pathlib import Path
 
 import torch
+
+from .cpp_build import load_extension
 
 LANES, GROUP, LEVELS = 16, 32, 15  # channels per block, inputs per scale, largest 4-bit code
 ISA_FLAGS = {  # the builds, best first: the CPU flags each needs and the compiler flags it is built with
@@ -34,11 +36,9 @@ def cpu_flags() -> set[str]:
 
 @functools.cache
 def _extension(isa: str):
-    from torch.utils import cpp_extension
-    source = Path(__file__).with_name("int4_rows.cpp")
     # -fopenmp: at::parallel_for is OpenMP in a header, serial without it (torch's own libgomp is the one loaded)
-    return cpp_extension.load(name=f"eagle_fsd_int4_rows_{isa}", sources=[str(source)], verbose=False,
-                              extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS[isa][1]], extra_ldflags=["-fopenmp"])
+    return load_extension(f"eagle_fsd_int4_rows_{isa}", Path(__file__).with_name("int4_rows.cpp"),
+                          ["-O3", "-fopenmp", *ISA_FLAGS[isa][1]], ["-fopenmp"])
 
 
 def runnable_isas(flags: set[str], capability: str) -> list[str]:

@@ -2,8 +2,8 @@
 the target's int8 x int8 product at the pace of its weight reads. FBGEMM's operator, which the other CPUs keep, costs
 40-70 us a call there whatever the layer's size.
 
-A C++ extension built on first use like eagle_fsd.kernels.int4_rows (a C++ compiler and ninja; cached under
-TORCH_EXTENSIONS_DIR). `int8_rows_reference` is the same product in float64, for tests.
+A C++ extension built on first use like eagle_fsd.kernels.int4_rows (a C++ compiler and ninja; cached as
+cpp_build says). `int8_rows_reference` is the same product in float64, for tests.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .cpp_build import load_extension
 from .int4_rows import ISA_FLAGS, cpu_flags, runnable_isas
 
 LANES, CHUNK = 16, 4  # channels per block, inputs per chunk
@@ -21,10 +22,8 @@ LEVELS, ZERO = 63, 64  # r and z of 7-bit activations: u = round(r x / max |x|) 
 
 @functools.cache
 def _extension():
-    from torch.utils import cpp_extension
-    source = Path(__file__).with_name("int8_rows.cpp")
-    return cpp_extension.load(name="eagle_fsd_int8_rows_avx2", sources=[str(source)], verbose=False,
-                              extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS["avx2"][1]], extra_ldflags=["-fopenmp"])
+    return load_extension("eagle_fsd_int8_rows_avx2", Path(__file__).with_name("int8_rows.cpp"),
+                          ["-O3", "-fopenmp", *ISA_FLAGS["avx2"][1]], ["-fopenmp"])
 
 
 @functools.cache
