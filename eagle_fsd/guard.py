@@ -40,8 +40,9 @@ class GuardMemory:
 
 
 class SpeedGuard:
-    """Never slower than plain decoding. Each step's target forward is timed, and the cost profile's t_verify(n)
-    and t_plain turn that into what plain decoding would cost right now, whatever else loads the machine:
+    """At worst about as fast as plain decoding (its aim: never slower). Each step's target forward is timed, and
+    the cost profile's t_verify(n) and t_plain turn that into what plain decoding would cost right now, whatever else
+    loads the machine:
         plain_equivalent(step) = tokens * t_plain * (measured verify time / t_verify(n)).
     When the last `window` speculative steps took `margin` longer than their plain equivalent, the next `backoff`
     tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses in a row).
