@@ -38,12 +38,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 from transformers.utils import is_torch_greater_or_equal
 
-from eagle_fsd.target_quant import FP64_ATTENTION
-
 ATTENTION_NAME = "eagle_fsd"
 BACKENDS = ("auto", "sdpa", "triton")
 FULL, SLIDING = "full_attention", "sliding_attention"
 SUPPORTED_LAYER_TYPES = (FULL, SLIDING)
+# attention fields a decoder config may lack, with the values that mean plain causal attention
+OPTIONAL_FIELDS = {"sliding_window": None, "layer_types": None, "attention_chunk_size": None,
+                   "use_bidirectional_attention": False, "is_causal": True}
+
+
+def attention_fields(config) -> dict:
+    """The config's OPTIONAL_FIELDS, each as set or its default."""
+    return {name: getattr(config, name, default) for name, default in OPTIONAL_FIELDS.items()}
 
 
 def check_backend(backend: str) -> None:
@@ -56,8 +62,8 @@ def config_window(config, layer_idx: int) -> int | None:
     """The sliding window of layer `layer_idx` as the config describes it, None for full attention: with
     `layer_types`, config.sliding_window on "sliding_attention" layers only; without, config.sliding_window on every
     layer (Mistral-style). A window of 0 means none (Qwen2-MoE's "off")."""
-    window = getattr(config, "sliding_window", None) or None
-    types = getattr(config, "layer_types", None)
+    fields = attention_fields(config)
+    window, types = fields["sliding_window"] or None, fields["layer_types"]
     if types is None:
         return window
     return window if types[layer_idx] == SLIDING else None
@@ -67,21 +73,22 @@ def check_attention_support(config) -> None:
     """Refuse (ValueError naming the layer and the reason) models whose attention the engine cannot reproduce exactly:
     layer types other than full / sliding causal attention, chunked or bidirectional attention, a bad window.
     Cheap enough to run at every forward (a set of layer types and a few attributes)."""
-    types = getattr(config, "layer_types", None) or ()
+    fields = attention_fields(config)
+    types = fields["layer_types"] or ()
     supported = set(SUPPORTED_LAYER_TYPES)
     if not supported.issuperset(types):
         i, kind = next((i, t) for i, t in enumerate(types) if t not in supported)
         raise ValueError(f"layer {i} of this {config.model_type!r} model has attention type {kind!r}; eagle-fsd "
                          f"supports only {SUPPORTED_LAYER_TYPES} (causal, optionally sliding-window), so this "
                          "model cannot be verified losslessly: use plain transformers generate for it")
-    if getattr(config, "attention_chunk_size", None):
+    if fields["attention_chunk_size"]:
         raise ValueError(f"this {config.model_type!r} model uses chunked attention (attention_chunk_size="
                          f"{config.attention_chunk_size}); eagle-fsd supports only full and sliding-window causal "
                          "attention: use plain transformers generate for it")
-    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+    if fields["use_bidirectional_attention"] or not fields["is_causal"]:
         raise ValueError(f"this {config.model_type!r} model attends bidirectionally; speculative decoding needs a "
                          "causal LM")
-    window = getattr(config, "sliding_window", None)
+    window = fields["sliding_window"]
     if window and (not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window={window!r} must be a positive int (or None for full attention)")
     if SLIDING in types and not window:
@@ -93,7 +100,7 @@ def check_attention_support(config) -> None:
 def layer_windows(config) -> list[int | None]:
     """Per-layer sliding windows (None = full causal attention) of a supported decoder config."""
     check_attention_support(config)
-    types = getattr(config, "layer_types", None)
+    types = attention_fields(config)["layer_types"]
     n = config.num_hidden_layers if types is None else len(types)
     return [config_window(config, i) for i in range(n)]
 
@@ -121,6 +128,7 @@ class ForwardState:
     as given), and what its layers compute once and share: the mask cut to each window, the packed tree block."""
 
     backend: str = "auto"
+    fp64: bool = False  # attend in float64 on a CPU (eagle_fsd.plan.ModelRun.fp64_attention)
     query_positions: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> the forward's mask cut to it
@@ -189,29 +197,30 @@ def packed_tree_block(state: ForwardState, attention_mask: torch.Tensor | None, 
 def eagle_fsd_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         eagle_fsd_forward: ForwardState | None = None, **kwargs):
     """Outside an engine forward (no `eagle_fsd_forward`, e.g. transformers' own generate): backend "auto" and the
-    mask as transformers built it. A model whose config sets FP64_ATTENTION (an int8 target, eagle_fsd.target_quant)
-    attends in float64 on CPU and rounds the result to its dtype: the same value for a query whatever else the
-    forward holds (fp32 sums run in an order that depends on the number of queries and keys, and the next layer's
-    8-bit rounding would magnify a last-bit difference into a different token)."""
-    if getattr(module.config, FP64_ATTENTION, False) and query.dtype == torch.float32 and query.device.type == "cpu":
-        out, _ = _attention(module, query.double(), key.double(), value.double(), attention_mask, scaling, dropout,
-                            eagle_fsd_forward, "sdpa", **kwargs)
-        return out.float(), None
-    return _attention(module, query, key, value, attention_mask, scaling, dropout, eagle_fsd_forward, None, **kwargs)
-
-
-def _attention(module, query, key, value, attention_mask, scaling, dropout, eagle_fsd_forward, backend, **kwargs):
+    mask as transformers built it. A forward whose state asks for float64 (a target with row-rounded activations,
+    eagle_fsd.target_quant) attends in float64 on CPU and rounds the result to its dtype: the same value for a query
+    whatever else the forward holds (fp32 sums run in an order that depends on the number of queries and keys, and the
+    next layer's 8-bit rounding would magnify a last-bit difference into a different token)."""
     state = ForwardState() if eagle_fsd_forward is None else eagle_fsd_forward
+    kwargs |= {"scaling": scaling, "dropout": dropout}
+    if state.fp64 and query.dtype == torch.float32 and query.device.type == "cpu":
+        out, _ = _attention(module, query.double(), key.double(), value.double(), attention_mask, state, "sdpa",
+                            **kwargs)
+        return out.float(), None
+    return _attention(module, query, key, value, attention_mask, state, state.backend, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, state: ForwardState, backend: str, **kwargs):
     window = module_window(module, kwargs)
     if window is not None:  # sliding layer: SDPA on the windowed mask (the kernel sees the whole prefix)
         attention_mask = windowed_mask(state, attention_mask, window, query.shape[2], key.shape[2])
-        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if _use_kernel(backend or state.backend, query, key):
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+    if _use_kernel(backend, query, key):
         from eagle_fsd.kernels import tree_attention
 
         tree_mask = packed_tree_block(state, attention_mask, query.shape[2], query.device)
-        return tree_attention(query, key, value, tree_mask, scale=scaling), None
-    return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return tree_attention(query, key, value, tree_mask, scale=kwargs["scaling"]), None
+    return sdpa(module, query, key, value, attention_mask, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, eagle_fsd_attention)

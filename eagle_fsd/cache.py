@@ -5,9 +5,9 @@ forward appends the tree's N tokens at [length, length + N); `keep(start, idx)` 
 entries (slots start + idx) to [start, start + len(idx)) and drops the rest. Nothing is ever reallocated.
 
 Storage dtype: as the keys arrive, or float64 for a model that attends in float64 through transformers' layers (an
-exact quantized target that eagle_fsd.fused_decoder does not run, eagle_fsd.target_quant): each new key is widened
-once when stored instead of the whole cache at every layer of every forward; fp32 -> fp64 is exact, so attention sees
-the same numbers (`TreeCache.for_model`). The fused decoder attends in fp32 over an fp32 cache instead.
+exact quantized target that eagle_fsd.fused_decoder does not run: eagle_fsd.plan.ModelRun.kv_dtype): each new key is
+widened once when stored instead of the whole cache at every layer of every forward; fp32 -> fp64 is exact, so
+attention sees the same numbers. The fused decoder attends in fp32 over an fp32 cache instead.
 
 Positions: committed slot i holds the token at position i, but tree entries do not (tree node j sits at position
 committed + depth(j)). Sliding-window attention needs every key's position, so TreeCache can track them
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from eagle_fsd.target_quant import FP64_ATTENTION
+from eagle_fsd.plan import ModelRun
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -89,12 +89,10 @@ class TreeCache(Cache):
         self.positions: torch.Tensor | None = None  # (max_len,) position of each slot's token, once tracked
 
     @classmethod
-    def for_model(cls, model, max_len: int) -> TreeCache:
-        """A cache for every layer of `model`, stored in float64 where the model attends in float64 on a CPU."""
-        from eagle_fsd.fused_decoder import runs_fused
-
-        wide = getattr(model.config, FP64_ATTENTION, False) and model.device.type == "cpu" and not runs_fused(model)
-        return cls(model.config.num_hidden_layers, max_len, torch.float64 if wide else None)
+    def for_model(cls, model, max_len: int, run: ModelRun) -> TreeCache:
+        """A cache for every layer of `model`, stored in the dtype its run plan names (float64 where it attends in
+        float64 through transformers' layers)."""
+        return cls(model.config.num_hidden_layers, max_len, run.kv_dtype if model.device.type == "cpu" else None)
 
     def track_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
         """Record the positions (n,) of the tokens the next forward appends and return the positions of all the keys

@@ -182,7 +182,7 @@ class ChatSession:
         self.messages: list[dict] = []
         self.totals = Totals()
         self.flag = InterruptFlag()
-        self.colour = colour == "always" or (colour == "auto" and hasattr(out, "isatty") and out.isatty())
+        self.colour = colour == "always" or (colour == "auto" and out.isatty())
 
     def say(self, text: str) -> None:
         self.info.write(text + "\n")

@@ -12,7 +12,7 @@ from eagle_fsd.dtypes import dtype_name
 COMMANDS = {  # name -> (module with a main(argv) -> int, one-line help)
     "run": ("eagle_fsd.cli", "generate with speculative decoding, then plain decoding; print speed, tau, speedup"),
     "models": ("eagle_fsd.presets:main_models", "list / fetch the offline model presets"),
-    "tune": ("eagle_fsd.tune.cli", "measure the speculation cost model on this machine; print the best tree shapes"),
+    "tune": ("eagle_fsd.tune_cli", "measure the speculation cost model on this machine; print the best tree shapes"),
     "bench": ("eagle_fsd.eval.bench", "speed benchmark: plain vs HF assisted vs eagle-fsd (and FSD rows)"),
     "mtbench": ("eagle_fsd.eval.mtbench", "answer MT-Bench questions (FastChat answer jsonl)"),
     "speed": ("eagle_fsd.eval.speed", "speed report of an answer jsonl (tokens/s, speedup, tau, acceptance)"),
@@ -41,30 +41,20 @@ def parse_run_args(argv):
 def run_main(argv=None) -> int:
     from transformers import TextStreamer
 
-    from eagle_fsd.prepack import is_prepacked
     from eagle_fsd.prompts import PromptFormat
     from eagle_fsd.model import exactness, load_model
-    from eagle_fsd.quant import quant_bits
-    from eagle_fsd.target_quant import is_target_quantized, weights_label
 
     settings, args = parse_run_args(argv)
     model = load_model(settings)
     tok = model.tokenizer
+    plan = model.plan
     if settings.fsd.threshold is None and settings.generation.temperature == 0:
-        print(f"exactness: {exactness(model.base_model.dtype, is_target_quantized(model.base_model))}")
+        print(f"exactness: {exactness(plan.target.dtype, plan.target.weights.quantized_rows)}")
     if model.tuning is not None:
         from eagle_fsd.tune import describe
 
         print(f"cost model ({model.tuning.path}): {describe(model.tuning)}")
-    if is_target_quantized(model.base_model):
-        print(f"target linear layers {weights_label(model.base_model)}, 8-bit activations per row "
-              "(--target-quant off: float weights)")
-    if is_prepacked(model.base_model):
-        print(f"{dtype_name(model.base_model.dtype)} linear weights prepacked for oneDNN (--prepack off: the plain kernels)")
-    draft_bits = quant_bits(model.drafter.module) if model.drafter is not None else 0
-    if draft_bits:
-        print(f"drafter weights in int{draft_bits} (verification keeps the target's; "
-              "--draft-quant off: as loaded)")
+    print(f"run plan: {plan.summary()} (--target-quant, --prepack, --draft-quant off: as loaded)")
     ids = PromptFormat(tok, settings.model.conv_template).encode([{"role": "user", "content": args.prompt}])
     ids = ids.to(model.base_model.device)
     model.generate(ids[:, :8], max_new_tokens=4)  # warm-up
@@ -101,24 +91,21 @@ def compare_with_hf_generate(model, ids, generation, sequences, speed: float, fu
     import time
 
     from eagle_fsd.loading import as_hf_runs_it
-    from eagle_fsd.prepack import unpacked
-    from eagle_fsd.target_quant import is_target_quantized
 
     print("HF generate of the same prompt (the target alone)...", flush=True)
-    target = as_hf_runs_it(model.base_model)
+    target = as_hf_runs_it(model.base_model, model.plan.target)
     hf = dict(do_sample=generation.temperature > 0, max_new_tokens=generation.max_new_tokens)
     if generation.temperature > 0:
         hf.update(temperature=generation.temperature, top_p=generation.top_p)
-    with unpacked(target):
-        target.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), do_sample=False,
-                        max_new_tokens=4)  # warm-up
-        start = time.perf_counter()
-        seq = target.generate(ids, attention_mask=torch.ones_like(ids), **hf)
-        wall = time.perf_counter() - start
+    target.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), do_sample=False,
+                    max_new_tokens=4)  # warm-up
+    start = time.perf_counter()
+    seq = target.generate(ids, attention_mask=torch.ones_like(ids), **hf)
+    wall = time.perf_counter() - start
     new = seq.shape[1] - ids.shape[1]
     print(f"HF generate: {new} tokens in {wall:.2f} s = {new / wall:.2f} tokens/s")
     agreement = output_agreement(seq, sequences, ids.shape[1], model.base_model.dtype, hf["do_sample"], fuzzy,
-                                 is_target_quantized(model.base_model))
+                                 model.plan.target.weights.quantized_rows)
     print(f"speedup:   {speed / (new / wall):.2f}x ({agreement})")
 
 

@@ -3,7 +3,7 @@
   "eagle"        SafeAILab (yuhuili/EAGLE3-*): Llama config + draft_vocab_size; weights midlayer.*; reads the default
                  layers (2, N//2, N-3) only.
   "sglang"       SGLang / SpecForge: architectures LlamaForCausalLMEagle3, other layers in
-                 eagle_config.eagle_aux_hidden_state_layer_ids (outputs of layers: index - 1, see eagle_fsd.eagle3).
+                 eagle_config.eagle_aux_hidden_state_layer_ids (outputs of layers: index - 1, see eagle_fsd.drafting.eagle3).
   "speculators"  vLLM speculators: architectures Eagle3Speculator, the Llama fields under transformer_layer_config,
                  weights layers.0.*, eagle_aux_hidden_state_layer_ids = inputs of layers (the indices themselves),
                  speculators_config.verifier.name_or_path = the target, which `vllm serve HEAD_DIR` loads.
@@ -21,7 +21,7 @@ import torch
 
 from safetensors.torch import save_file
 
-from eagle_fsd.eagle3 import LAYOUTS, SGLANG_ARCH, SPECULATORS_ARCH, Eagle3Head, default_aux_indices
+from eagle_fsd.drafting.eagle3 import LAYOUTS, SGLANG_ARCH, SPECULATORS_ARCH, Eagle3Head, default_aux_indices
 
 _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "hidden_act", "max_position_embeddings", "rms_norm_eps", "attention_bias", "mlp_bias", "vocab_size",
@@ -31,7 +31,8 @@ _LLAMA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num
 def llama_fields(head: Eagle3Head) -> dict:
     """The decoder layer's config as plain Llama fields, RoPE as rope_theta / rope_scaling (what every loader reads)."""
     config = head.config
-    fields = {name: getattr(config, name) for name in _LLAMA_FIELDS if getattr(config, name, None) is not None}
+    raw = config.to_dict()
+    fields = {name: raw[name] for name in _LLAMA_FIELDS if raw.get(name) is not None}
     rope = dict(config.rope_parameters)
     fields["rope_theta"] = rope.pop("rope_theta")
     rope_type = rope.get("rope_type", "default")
@@ -51,7 +52,7 @@ def _target_indices(head: Eagle3Head, target_config) -> tuple[int, ...] | None:
 
 
 def sglang_aux_ids(indices: tuple[int, ...]) -> list[int]:
-    """Indices as SGLang reads them back (eagle_fsd.eagle3.aux_hidden_indices): outputs of layers (index - 1) when
+    """Indices as SGLang reads them back (eagle_fsd.drafting.eagle3.aux_hidden_indices): outputs of layers (index - 1) when
     that list starts at 1, else the indices themselves (which must then not start at 1)."""
     if indices[0] == 2:
         return [i - 1 for i in indices]
@@ -99,12 +100,13 @@ def export_config(head: Eagle3Head, layout: str, target_config=None, verifier: s
 
 
 def _speculators_config(target_config, verifier: str | None) -> dict:
-    name = verifier or getattr(target_config, "_name_or_path", None)
+    name = verifier or (None if target_config is None else target_config.name_or_path)
     if not name:
         raise ValueError("the speculators layout names the head's target in speculators_config.verifier.name_or_path "
                          "(vLLM loads it when it serves the head's folder): pass verifier='ORG/MODEL' or the "
                          "target's directory (train-head --verifier)")
-    verifier = {"name_or_path": name, "architectures": list(getattr(target_config, "architectures", None) or [])}
+    architectures = [] if target_config is None else list(target_config.architectures or [])
+    verifier = {"name_or_path": name, "architectures": architectures}
     return {"algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}]}
 

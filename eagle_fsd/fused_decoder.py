@@ -40,7 +40,8 @@ from eagle_fsd.attention import ForwardState, eagle_fsd_attention, layer_windows
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.kernels.decoder_glue import (attend, decoder_glue_available, rms_norm, rms_norm_like_transformers,
                                             rope, rows_forward, silu_mul)
-from eagle_fsd.target_quant import FP64_ATTENTION, RowQuantLinear, SharedInputProduct, kernel_call
+from eagle_fsd.plan import ModelRun
+from eagle_fsd.target_quant import RowQuantLinear, SharedInputProduct, kernel_call
 from eagle_fsd.target_quant import own_product as inner_product
 
 FUSED_MODEL_TYPES = ("llama", "qwen2")
@@ -49,11 +50,12 @@ FUSED_VERSION = 4  # 4: a few-row forward of own kernels in one C++ call (RowsPl
 # entries that were not their ancestors
 
 
-def runs_fused(model) -> bool:
+def fused_fits(model) -> bool:
     """The model's layers are the Llama shape this forward runs (pre-norm attention and SiLU-gated MLP, full
-    attention, no extra norms), its activations fp32 on a CPU, and the extension builds here."""
+    attention, no extra norms), its activations fp32 on a CPU, and the extension builds here: the loader's test for
+    eagle_fsd.plan.ModelRun.fused."""
     config = model.config
-    if config.model_type not in FUSED_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu":
+    if config.model_type not in FUSED_MODEL_TYPES or config.hidden_act != "silu":
         return False
     norm = model.get_decoder().norm.weight
     if norm.dtype != torch.float32 or norm.device.type != "cpu":
@@ -61,30 +63,20 @@ def runs_fused(model) -> bool:
     return all(window is None for window in layer_windows(config)) and decoder_glue_available()
 
 
-def rows_attend(model, exact: bool) -> bool:
-    """Whether a few-token forward of this fused model attends with decoder_glue.attend (fp32, each row over its
-    visible keys in a fixed order, so a token's result does not depend on the forward around it) rather than SDPA.
-    A drafter (not exact) and a target that must be row-exact (FP64_ATTENTION: a quantized target) do; a float
-    target keeps SDPA, whose bits equal transformers' forward (its own greedy output is the reference)."""
-    return not exact or getattr(model.config, FP64_ATTENTION, False)
-
-
 class LayerPlan:
     """A decoder layer's products as the forward calls them: q | k | v and gate | up each as one product where the
     siblings share one (eagle_fsd.target_quant.SharedInputProduct, columns in order), else their modules side by
     side; o and down likewise called directly. Built once per layer, rebuilt when the layer's modules are replaced
-    (e.g. quantized) or switched to their float weights (eagle_fsd.prepack.unpacked)."""
+    (e.g. quantized)."""
 
     def __init__(self, layer):
         self.modules = linears(layer)
-        self.packed = packed_flags(self.modules)
         self.qkv = shared_product(self.modules[:3])
         self.gate_up = shared_product(self.modules[3:5])
         self.o, self.down = own_product(self.modules[5]), own_product(self.modules[6])
 
     def fits(self, layer) -> bool:
-        modules = linears(layer)
-        return self.modules == modules and self.packed == packed_flags(modules)
+        return self.modules == linears(layer)
 
 
 def linears(layer) -> tuple:
@@ -93,14 +85,9 @@ def linears(layer) -> tuple:
             mlp.down_proj)
 
 
-def packed_flags(modules) -> tuple:
-    """Each layer's use_packed (eagle_fsd.prepack.unpacked switches it off for a block)."""
-    return tuple(getattr(m, "use_packed", True) for m in modules)
-
-
 def own_product(layer):
     """A RowQuantLinear's own product (fp32 in and out, as the layer returns it for fp32 input), else the layer."""
-    if isinstance(layer, RowQuantLinear) and layer.use_packed and layer.columns is None \
+    if isinstance(layer, RowQuantLinear) and layer.columns is None \
             and not isinstance(layer.product, SharedInputProduct):
         return layer.product
     return layer
@@ -109,12 +96,12 @@ def own_product(layer):
 def shared_product(siblings):
     """The product behind sibling RowQuantLinear layers that read one input, if it is one shared product whose columns
     are theirs in order (x -> their outputs side by side); else None."""
-    product = getattr(siblings[0], "product", None)
+    product = siblings[0].product if isinstance(siblings[0], RowQuantLinear) else None
     if not isinstance(product, SharedInputProduct):
         return None
     stop = 0
     for layer in siblings:
-        if not (isinstance(layer, RowQuantLinear) and layer.use_packed and layer.product is product
+        if not (isinstance(layer, RowQuantLinear) and layer.product is product
                 and layer.columns is not None and layer.columns.start == stop):
             return None
         stop = layer.columns.stop
@@ -171,7 +158,7 @@ def placed_products(modules) -> list[tuple[object, int]] | None:
     not a packed RowQuantLinear or its product not a `kernel_call` one."""
     placed, offset = [], 0  # [product, where its output starts, columns its readers cover]
     for module in modules:
-        if not (isinstance(module, RowQuantLinear) and module.use_packed):
+        if not isinstance(module, RowQuantLinear):
             return None
         product = inner_product(module.product)
         if kernel_call(product) is None:
@@ -213,11 +200,11 @@ def rows_plan(decoder) -> RowsPlan:
 
 
 def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor,
-                          positions: torch.Tensor, backend: str = "auto", exact: bool = True,
+                          positions: torch.Tensor, run: ModelRun = ModelRun(fused=True),
                           feature_layers: tuple[int, ...] | None = None):
     """The final-norm hidden states (n, H) of input_ids (n,) at `positions` (n,), appended to `cache`, under the
-    explicit (1, 1, n, cache_len + n) bool mask: eagle_fsd.hf.decoder_forward's contract. exact: a target's forward
-    (`rows_attend` says which attention, and a float target equals transformers' forward to the bit). With
+    explicit (1, 1, n, cache_len + n) bool mask: eagle_fsd.hf.decoder_forward's contract. run: how the model runs
+    (`run.rows_attend` says which attention; a float target, `run.exact`, equals transformers' forward to the bit). With
     `feature_layers`, (those states, cat(hidden state entering layer i for i in feature_layers) (n, len * H)) as
     eagle_fsd.hf.decoder_outputs returns them (EAGLE-3; entering layer L, past the last, is the final-norm state).
     On top of a cached prefix the whole forward is one C++ call where `RowsPlan` allows (the same steps and bits as
@@ -227,10 +214,10 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     start = cache.get_seq_length()
     # on top of a cached prefix (verification, plain steps, draft levels, catch-up); a prompt goes to SDPA
-    in_rows = start > 0 and backend == "auto" and isinstance(cache, TreeCache) and rows_attend(model, exact)
+    in_rows = start > 0 and run.backend == "auto" and isinstance(cache, TreeCache) and run.rows_attend
     visible = attention_mask[0, 0].contiguous() if in_rows else None  # (n, start + n): committed prefix, tree
 
-    like_transformers = exact and not rows_attend(model, exact)  # a float target: transformers' bits
+    like_transformers = run.exact and not run.rows_attend  # a float target: transformers' bits
 
     def norm(module, x):
         if like_transformers:
@@ -243,9 +230,8 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     if in_rows and _one_call[0] and feature_layers is None:
         plan = rows_plan(decoder)
         if plan.calls is not None:
-            return rows_in_one_call(decoder, plan, x, cache, cos, sin, start, visible, heads, kv_heads,
-                                    config.intermediate_size)
-    state = ForwardState(backend)
+            return rows_in_one_call(decoder, plan, x, cache, (cos, sin), start, visible, config)
+    state = ForwardState(run.backend, fp64=run.fp64_attention)
     entering = None if feature_layers is None else []  # the states entering each layer, for EAGLE-3 only
     for layer in decoder.layers:
         if entering is not None:
@@ -284,16 +270,18 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     return last, torch.cat([entering[i] for i in feature_layers], dim=-1)
 
 
-def rows_in_one_call(decoder, plan: RowsPlan, x, cache, cos, sin, start: int, visible, heads: int, kv_heads: int,
-                     intermediate: int) -> torch.Tensor:
-    """fused_decoder_forward's rows on top of a cached prefix through decoder_glue.rows_forward."""
+def rows_in_one_call(decoder, plan: RowsPlan, x, cache, rope_tables: tuple, start: int, visible,
+                     config) -> torch.Tensor:
+    """fused_decoder_forward's rows on top of a cached prefix through decoder_glue.rows_forward; rope_tables: (cos,
+    sin) at the rows' positions."""
     storages = [cache.layers[layer.self_attn.layer_idx] for layer in decoder.layers]
     n = x.shape[0]
     if start + n > storages[0].max_len:
         raise RuntimeError(f"KV cache overflow: {start + n} tokens > preallocated {storages[0].max_len}")
-    last = rows_forward(x.float().contiguous(), plan.calls, plan.weights, plan.norms, plan.eps, cos, sin,
-                        [s.keys for s in storages], [s.values for s in storages], start, visible, heads, kv_heads,
-                        decoder.layers[0].self_attn.scaling, intermediate)
+    last = rows_forward(x.float().contiguous(), plan.calls, plan.weights, plan.norms, plan.eps, *rope_tables,
+                        [s.keys for s in storages], [s.values for s in storages], start, visible,
+                        config.num_attention_heads, config.num_key_value_heads, decoder.layers[0].self_attn.scaling,
+                        config.intermediate_size)
     for storage in storages:
         storage.length = start + n
     return last

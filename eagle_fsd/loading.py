@@ -6,79 +6,151 @@ the TreeShape the measured cost model chooses (eagle_fsd.tune). The model class 
 (EaFsdModel.from_pretrained passes itself), so nothing here imports the engine."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eagle_fsd import presets
 from eagle_fsd.attention import ATTENTION_NAME, check_backend
-from eagle_fsd.drafters import EagleDrafter, LMDrafter, load_eagle_head, read_head_config
+from eagle_fsd.drafting import DRAFTERS, holds_eagle_fc, is_eagle3, read_head_config
 from eagle_fsd.dtypes import torch_dtype
-from eagle_fsd.eagle3 import Eagle3Drafter, is_eagle3, load_eagle3_head
-from eagle_fsd.prepack import prepack_linears
-from eagle_fsd.product_store import quantize_cached
-from eagle_fsd.quant import quantize_linears
+from eagle_fsd.fused_decoder import fused_fits
+from eagle_fsd.plan import ModelRun, RunPlan, WeightFormat
+from eagle_fsd.prepack import PackedLinear
+from eagle_fsd.product_store import format_cached
+from eagle_fsd.quant import QuantLinear
 from eagle_fsd.settings import AUTO, Settings
-from eagle_fsd.target_quant import activation_bits, int4_share, is_target_quantized
+from eagle_fsd.target_quant import RowQuantLinear, activation_bits, int4_share, runs_int8_rows
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
                             resolve_target_quant, target_quant_choice)
 from eagle_fsd.tune.dtype import load_device
+from eagle_fsd.weights import PREPACKED, format_weights
 
+FORMATTED = (PackedLinear, QuantLinear, RowQuantLinear)  # what the weight step swaps linear layers for
 EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
 TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's names (and the draft vocabulary)
 
 
-def load_pretrained(cls, base_model: str, ea_model_path: str | None = None, draft_model=None,
-                    tree: tuple = (None, None, None), dtype="auto", device_map=None, attention: str = "auto",
-                    tune_progress: bool = True, prepack="auto", draft_quant="auto", target_quant="auto", **kwargs):
-    """`cls` (EaFsdModel) loaded and ready. base_model: a preset name, hub id or directory. ea_model_path: an
-    EAGLE-1/2 or EAGLE-3 head (dir or hub id); draft_model: a causal LM sharing the tokenizer (name, dir, hub id or a
-    loaded model) or a directory holding an EAGLE head. Without either, the preset's own drafter (the EAGLE head
-    shipped for it, else its sibling LM).
+@dataclass(frozen=True)
+class LoadOptions:
+    """How from_pretrained loads: each "auto" or forced (see load_pretrained)."""
+
+    dtype: object = "auto"
+    device_map: object = None
+    attention: str = "auto"
+    tune_progress: bool = True
+    prepack: object = "auto"
+    draft_quant: str = "auto"
+    target_quant: str = "auto"
+
+
+def load_pretrained(cls, base_model: str, drafter: tuple = (None, None), tree: tuple = (None, None, None),
+                    options: LoadOptions = LoadOptions(), hf_kwargs: dict | None = None):
+    """`cls` (EaFsdModel) loaded and ready, built once. base_model: a preset name, hub id or directory.
+    drafter: (ea_model_path, draft_model): an EAGLE-1/2 or EAGLE-3 head (dir or hub id), or a causal LM sharing the
+    tokenizer (name, dir, hub id or a loaded model) or a directory holding an EAGLE head. Without either, the preset's
+    own drafter (the EAGLE head shipped for it, else its sibling LM).
     tree: EAGLE's (total_token, depth, top_k) and optionally the draft vocabulary size, each an int, "auto" (the
     shape the measured cost model predicts fastest on this machine; measured once, cached, checked at each load;
     plain decoding when nothing pays) or None ("auto" for a preset, else EAGLE's default; see requested_tree).
-    dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32 (a name such
-    as "bf16" or a torch.dtype forces it).
-    prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed once
-    for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
-    draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
+    options.dtype "auto": bf16 on CUDA; on CPU bf16 only with native bf16 matmul that measures faster, else fp32 (a
+    name such as "bf16" or a torch.dtype forces it).
+    options.prepack "auto": on CPU (fp32, or bf16 with oneDNN bf16), the linear weights of target and drafter packed
+    once for oneDNN (eagle_fsd.prepack) where that measures faster; "on" / "off" (or True / False) force it.
+    options.draft_quant "auto": an LM drafter on CPU drafts with int4 weights (eagle_fsd.quant) where that kernel
     measures faster; "int4" / "int8" / "off" force it. Verification keeps the target's weights: still lossless.
-    target_quant "auto": a preset's target on CPU, loaded with dtype "auto", runs its linear layers int8 x int8,
-    or int4 x int8 where its weights are 4-bit already (eagle_fsd.target_quant), where that measures faster;
-    "int4" / "int8" / "off" force it. Decoding is then lossless against
-    that quantized model, and the drafter is built for it (fp32 activations)."""
-    check_backend(attention)
-    resolve_draft_quant(draft_quant, None)  # a bad spelling fails before anything loads
-    target_quant_choice(target_quant)
-    fixed, auto = requested_tree(base_model in presets.PRESETS, tree)
+    options.target_quant "auto": a preset's target on CPU, loaded with dtype "auto", runs its linear layers
+    int8 x int8, or int4 x int8 where its weights are 4-bit already (eagle_fsd.target_quant), where that measures
+    faster; "int4" / "int8" / "off" force it. Decoding is then lossless against that quantized model, and the drafter
+    is built for it (fp32 activations). The choices are the model's run plan (eagle_fsd.plan), `model.plan`."""
+    check_backend(options.attention)
+    resolve_draft_quant(options.draft_quant, None)  # a bad spelling fails before anything loads
+    target_quant_choice(options.target_quant)
+    preset = base_model in presets.PRESETS
+    fixed, auto = requested_tree(preset, tree)
     path = presets.resolve_model(base_model)
-    kind, source = drafter_source(base_model, ea_model_path, draft_model)  # a bad head fails before the target loads
+    kind, source = drafter_source(base_model, *drafter)  # a bad head fails before the target loads
+    target, tokenizer, target_format = load_formatted_target(path, preset, options, hf_kwargs or {})
+    drafter_model = build_drafter(kind, source, target, tokenizer)
+    drafter_format = format_drafter(drafter_model, target_format, options, target)
+    shape = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES[:3]),
+                      0 if auto else fixed.get("draft_vocab", 0))
+    plan = plan_for(target, drafter_model, shape, (target_format, drafter_format), options.attention)
+    model = cls(target, tokenizer, drafter_model, plan=plan)
+    if drafter_model is not None and auto:
+        model.use_tuning(autotune(model, base_model, drafter_name=source, fixed=fixed, progress=options.tune_progress))
+    return model
+
+
+def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwargs: dict):
+    """(target, tokenizer, its WeightFormat): loaded in the dtype "auto" resolves to, its linear layers in the
+    format chosen for it. A target to be quantized loads as stored (its products are rounded from the checkpoint's own
+    weights; a bf16 checkpoint then maps in a second where converting it to fp32 takes half a minute); the weight
+    step makes every other parameter fp32."""
     config = AutoConfig.from_pretrained(path)
-    run_dtype = resolve_dtype(dtype, device_map, config, prepack)  # "auto" resolved, anything else as given
+    run_dtype = resolve_dtype(options.dtype, options.device_map, config, options.prepack)
     run_dtype = torch_dtype(run_dtype) if isinstance(run_dtype, str) else run_dtype
-    target_bits = resolve_target_quant(target_quant, config, run_dtype, load_device(device_map),
-                                       base_model in presets.PRESETS, dtype != "auto", prepack)
-    # a target to be quantized loads as stored (its products are rounded from the checkpoint's own weights; a bf16
-    # checkpoint then maps in a second where converting it to fp32 takes half a minute); quantize_target makes
-    # every other parameter fp32
-    target, tokenizer = load_target(path, "auto" if target_bits and dtype == "auto" else run_dtype, device_map,
-                                    kwargs)
+    target_bits = resolve_target_quant(options.target_quant, config, run_dtype, load_device(options.device_map),
+                                       preset, options.dtype != "auto", options.prepack)
+    load_dtype = "auto" if target_bits and options.dtype == "auto" else run_dtype
+    target, tokenizer = load_target(path, load_dtype, options.device_map, hf_kwargs)
     if target_bits:
-        quantize_cached(target, activation_bits=activation_bits(cpu_flags()), exact=True, four_bit=target_bits == 4,
-                        requantize=False)
-    drafter = build_drafter(kind, source, target, tokenizer, attention)
-    prepare_weights(target, drafter, prepack, draft_quant)
-    if drafter is None or not auto:
-        shape = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES[:3]), fixed.get("draft_vocab", 0))
-        return cls(target, tokenizer, drafter, shape=shape, attention=attention)
-    provisional = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES[:3]))  # what is measured
-    model = cls(target, tokenizer, drafter, shape=provisional, attention=attention)
-    tuning = autotune(model, base_model, drafter_name=source, fixed=fixed, progress=tune_progress)
-    return cls(target, tokenizer, drafter, shape=tuning.tree, attention=attention, tuning=tuning)
+        fmt = WeightFormat("rows", activation_bits=activation_bits(cpu_flags()), four_bit=target_bits == 4)
+    else:
+        fmt = PREPACKED if resolve_prepack(options.prepack, target) else WeightFormat()
+    format_cached(target, fmt)
+    return target, tokenizer, fmt
+
+
+def format_drafter(drafter, target_format: WeightFormat, options: LoadOptions, target) -> WeightFormat | None:
+    """The drafter's weights in the format chosen for them. With a quantized target, an LM drafter on draft_quant
+    "auto" runs the same kernels: where the target's run int4, every drafter layer is rounded to int4 (4-bit already
+    or not: a drafter's rounding moves acceptance only, and half the bytes of int8 make each draft forward cheaper),
+    else int8; its inputs are fp32 then. Otherwise it is prepacked with the target, then rounded as draft_quant
+    resolves (prepack "auto" judged on the target as it runs now)."""
+    if drafter is None:
+        return None
+    if target_format.quantized_rows and options.draft_quant == "auto" and drafter.auto_quant:
+        four_bit = int4_share(target) > 0
+        fmt = WeightFormat("rows", activation_bits=target_format.activation_bits, four_bit=four_bit,
+                           requantize=four_bit, exact=False)
+        format_cached(drafter.module, fmt)
+        return fmt
+    prepacked = resolve_prepack(options.prepack, target)
+    fmt = PREPACKED if prepacked else WeightFormat()
+    format_weights(drafter.module, fmt)
+    bits = resolve_draft_quant(options.draft_quant, drafter, prepacked)
+    if bits:  # a prepacked layer keeps its packed weight for many rows (eagle_fsd.quant)
+        fmt = WeightFormat(f"int{bits}")
+        format_weights(drafter.module, fmt)
+    return fmt
+
+
+def plan_for(target, drafter=None, tree: TreeShape = TreeShape(60, 5, 10), formats: tuple = (None, None),
+             backend: str = "auto") -> RunPlan:
+    """The run plan of `target` and `drafter` whose weights are in `formats` (target's, drafter's; None: float), the
+    draft tree `tree`, attention by `backend`: the one place where what the loader made is turned into how it runs."""
+    target_format, drafter_format = (fmt or WeightFormat() for fmt in formats)
+    target_run = model_run(target, target_format, backend, exact=True, decoder=True)
+    drafter_run = None if drafter is None else model_run(drafter.module, drafter_format, backend, exact=False,
+                                                         decoder=drafter.is_decoder)
+    return RunPlan(target_run, drafter_run, ((None, tree),))
+
+
+def model_run(module, fmt: WeightFormat, backend: str, exact: bool, decoder: bool) -> ModelRun:
+    """How `module`, its weights in `fmt`, runs: a decoder through the fused forward where it fits
+    (eagle_fsd.fused_decoder)."""
+    formatted = [type(m).__name__ for m in module.modules() if isinstance(m, FORMATTED)]
+    if fmt.kind == "float" and formatted:
+        raise ValueError(f"this model's linear layers were swapped ({formatted[0]}) but its weight format is given as "
+                         "float: pass the WeightFormat they were swapped for (plan_for(..., formats=...))")
+    rows = fmt.quantized_rows
+    return ModelRun(dtype=next(module.parameters()).dtype, weights=fmt, fused=decoder and fused_fits(module),
+                    exact=exact, backend=backend, int4_share=int4_share(module) if rows else 0.0,
+                    int8_rows=rows and runs_int8_rows(module))
 
 
 def requested_tree(preset: bool, tree: tuple) -> tuple[dict, list[str]]:
@@ -101,47 +173,17 @@ def load_target(path: str, dtype, device_map, hf_kwargs: dict):
     return AutoModelForCausalLM.from_pretrained(path, **load).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def prepare_weights(target, drafter, prepack, draft_quant) -> None:
-    """Linear weights prepacked for oneDNN (target and drafter) and the drafter's rounded, where chosen. With a
-    quantized target, an LM drafter on draft_quant "auto" runs the same kernels: where the target's run int4, every
-    drafter layer is rounded to int4 (4-bit already or not: a drafter's rounding moves acceptance only, and half the
-    bytes of int8 make each draft forward cheaper), else int8; its inputs are fp32 then."""
-    if is_target_quantized(target) and draft_quant == "auto" and drafter is not None and drafter.auto_quant:
-        four_bit = int4_share(target) > 0
-        quantize_cached(drafter.module, activation_bits=activation_bits(cpu_flags()), exact=False, four_bit=four_bit,
-                        requantize=four_bit)
-        return
-    if resolve_prepack(prepack, target):
-        prepack_linears(target)
-        if drafter is not None:
-            prepack_linears(drafter.module)
-    draft_bits = resolve_draft_quant(draft_quant, drafter)
-    if draft_bits:
-        quantize_linears(drafter.module, draft_bits)
-
-
-def as_hf_runs_it(module):
-    """`module` as a user of HF generate runs it: itself, or, where its linear layers were rounded to int8 here
-    (eagle_fsd.target_quant), a fresh copy from the same folder in the dtype its config names (the baseline rows of
-    `run` and `bench`)."""
-    if module is None or not is_target_quantized(module):
+def as_hf_runs_it(module, run: ModelRun | None):
+    """`module` as a user of HF generate runs it: itself where its weights are as loaded, else (its linear layers
+    swapped by the weight step) a fresh copy from the same folder, in the dtype it runs in, or for row-quantized ones in
+    the dtype its config names (the baseline rows of `run` and `bench`)."""
+    if module is None or run is None or run.weights.kind == "float":
         return module
-    return AutoModelForCausalLM.from_pretrained(module.name_or_path, dtype="auto").eval()
+    dtype = "auto" if run.weights.quantized_rows else run.dtype
+    return AutoModelForCausalLM.from_pretrained(module.name_or_path, dtype=dtype).eval()
 
 
 # ---------------------------------------------------------------- the drafter
-def holds_eagle_fc(path: str) -> bool:
-    """A local directory whose weights hold EAGLE's `fc` layer (the feature/embedding fusion no causal LM has)."""
-    folder = Path(path)
-    if (folder / "model.safetensors").is_file():
-        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-            return "fc.weight" in f.keys()
-    if (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True)
-        return "fc.weight" in state
-    return False
-
-
 def drafter_source(base_model: str, ea_model_path: str | None, draft_model) -> tuple[str | None, object]:
     """The one head-kind detector: (kind, what to load it from), kind "eagle3" or "eagle" (an EAGLE head; config.json
     tells EAGLE-3 layouts apart), "lm" (a causal LM) or None (no drafter). A draft_model that is a local directory
@@ -162,29 +204,15 @@ def drafter_name(base_model: str, ea_model_path: str | None, draft_model) -> obj
     return drafter_source(base_model, ea_model_path, draft_model)[1]
 
 
-def check_same_tokenizer(target_tok, draft_tok, draft_name):
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError(f"draft model {draft_name!r} does not share the target's tokenizer "
-                         f"({len(draft_tok)} vs {len(target_tok)} tokens, or different ids); an LM drafter must use "
-                         "the same tokenizer as the target")
-
-
-def build_drafter(kind: str | None, source, target, tokenizer, attention: str = "auto"):
-    """The drafter of `kind` (drafter_source) for `target`: an EAGLE-3 or EAGLE-1/2 head from a directory or hub id,
-    or an LM from a name (preset, directory or hub id) or a loaded model; None for no drafter."""
-    if kind == "eagle3":
-        head, layers = load_eagle3_head(source, target)
-        return Eagle3Drafter(head, target, layers, attention)
-    if kind == "eagle":
-        return EagleDrafter(load_eagle_head(source, target), target, attention)
+def build_drafter(kind: str | None, source, target, tokenizer):
+    """The drafter of `kind` (drafter_source) for `target`, by the registry eagle_fsd.drafting.DRAFTERS: an EAGLE-3 or
+    EAGLE-1/2 head from a directory or hub id, or an LM from a name (preset, directory or hub id) or a loaded model;
+    None for no drafter."""
     if kind is None:
         return None
-    if isinstance(source, str):
-        draft_path = presets.resolve_model(source)
-        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_path), source)
-        source = AutoModelForCausalLM.from_pretrained(
-            draft_path, dtype=target.dtype, attn_implementation=ATTENTION_NAME).to(target.device).eval()
-    return LMDrafter(source, target.config.vocab_size, attention)
+    if kind == "lm" and isinstance(source, str):
+        source = presets.resolve_model(source)
+    return DRAFTERS[kind](source, target, tokenizer)
 
 
 # ---------------------------------------------------------------- command settings

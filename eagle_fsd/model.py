@@ -1,7 +1,6 @@
-"""EaFsdModel: a target model, a drafter, and the one generation loop (tree drafting -> verification -> acceptance)."""
+"""EaFsdModel: a target model, a proposer, and the one generation loop (draft -> verify -> accept -> emit)."""
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -11,108 +10,59 @@ import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention f
 from eagle_fsd import loading, vocab
 from eagle_fsd.attention import check_attention_support, check_backend
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import grow_tree
+from eagle_fsd.drafting import Plain
 from eagle_fsd.dtypes import dtype_name
-from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
 from eagle_fsd.fsd import FsdConfig, fsd_accept, resolve_fsd
-from eagle_fsd.guard import GuardMemory, PhaseClock, SpeedGuard
+from eagle_fsd.guard import GuardMemory, SpeedGuard
+from eagle_fsd.hf import causal_mask, decoder_outputs, prefix_tree_mask
+from eagle_fsd.plan import RunPlan, rule_key
 from eagle_fsd.sampling import choose_tokens, logits_processor
-from eagle_fsd.tree.accept import Step, acceptance_by_depth, tokens_per_step
-from eagle_fsd.tree.dynamic import chain_tree
-from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.settings import Settings
+from eagle_fsd.steps import GenerateOutput, StepPolicy
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import Tuning
+
+__all__ = ["EaFsdModel", "GenerateOutput", "eos_token_ids", "exactness", "load_model"]
 
 
 @dataclass
-class GenerateOutput:
-    sequences: torch.Tensor                  # (1, prompt + new) token ids, like HF generate
-    new_tokens: int = 0
-    verify_steps: int = 0                    # target forwards after prefill (one per step)
-    accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per step (bonus excluded)
-    fuzzy_accepts: list[int] = field(default_factory=list)   # of those, accepted only by the FSD rule
-    divergences: list[list[float]] = field(default_factory=list)  # per step, D at each visited node with children
-    fuzzy_mask: list[bool] = field(default_factory=list)     # per new token: accepted only by the FSD rule
-    wall_time: float = 0.0
-    plain_steps: int = 0                     # steps decoded without a draft (the speed guard's fallback)
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / accept / cache / other
+class Request:
+    """One generate call: its logits processor, stop tokens, token budget, streamer and acceptance rule."""
 
-    @property
-    def fell_back(self) -> bool:
-        """True when some tokens were decoded plainly because speculation did not pay (see SpeedGuard)."""
-        return self.plain_steps > 0
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per verification forward, bonus token included (SGLang/vLLM/EAGLE convention)."""
-        return tokens_per_step(sum(self.accept_lengths), len(self.accept_lengths))
-
-    @property
-    def fuzzy_fraction(self) -> float:
-        """Share of the accepted draft tokens that only the FSD rule accepted."""
-        return sum(self.fuzzy_accepts) / max(sum(self.accept_lengths), 1)
-
-    def acceptance_by_depth(self) -> list[float]:
-        """[d-1] = P(a draft token at depth d is accepted | its parent was), over all steps."""
-        return acceptance_by_depth(self.accept_lengths)
-
-    def record(self, step: Step, plain: bool) -> None:
-        """Add one verification step's statistics (its tokens go through EaFsdModel._emit)."""
-        self.accept_lengths.append(step.accept_length)
-        self.fuzzy_accepts.append(step.fuzzy)
-        self.divergences.append(step.divergences)
-        self.plain_steps += plain
-
-    def finish(self, input_ids: torch.Tensor, generated: list[int], seconds: float, phase_seconds: dict) -> None:
-        new_ids = torch.tensor([generated], dtype=input_ids.dtype, device=input_ids.device)
-        self.sequences = torch.cat([input_ids, new_ids], dim=1)
-        self.new_tokens, self.verify_steps = len(generated), len(self.accept_lengths)
-        self.wall_time, self.phase_seconds = seconds, phase_seconds
+    processor: object
+    eos: set[int]
+    max_new_tokens: int
+    streamer: object = None
+    fsd: FsdConfig | None = None
 
 
-class DrafterReader:
-    """Where the drafter has read up to: its logits and state at the current root, and what it has not read yet:
-    the prompt until the first draft (a call the speed guard decodes plainly throughout never runs the drafter), and
-    the tokens decoded plainly since, with the target's hidden states (the guard skips drafting for a while)."""
+@dataclass
+class Decoding:
+    """The loop's state: the target's cache, the next tree's root, the proposer's session and the tokens so far."""
 
-    def __init__(self, drafter, max_len: int, prompt: torch.Tensor, root: torch.Tensor, hidden: torch.Tensor):
-        self.drafter = drafter
-        drafter.reset(max_len)
-        self.unread_prompt: tuple | None = (prompt, root, hidden)
-        self.root_logits = self.root_state = None
-        self.behind: list[tuple[torch.Tensor, torch.Tensor]] = []
+    cache: TreeCache
+    root: torch.Tensor
+    session: object
+    out: GenerateOutput
+    generated: list[int] = field(default_factory=list)
+    done: bool = False
 
-    def read_prompt(self) -> bool:
-        """Read the prompt if not yet read (the first draft's prefill); True when it did."""
-        if self.unread_prompt is None:
-            return False
-        self.root_logits, self.root_state = self.drafter.prefill(*self.unread_prompt)
-        self.unread_prompt = None
-        return True
-
-    def at_root(self):
-        """(logits, state) at the root; on the first draft the drafter reads the prompt, and back from plain decoding
-        what it missed, in one forward."""
-        self.read_prompt()
-        if self.behind:
-            self.root_logits, self.root_state = self.drafter.extend(torch.cat([t for t, _ in self.behind]),
-                                                                    torch.cat([h for _, h in self.behind]))
-            self.behind.clear()
-        return self.root_logits, self.root_state
-
-    def read(self, tokens: torch.Tensor, hidden: torch.Tensor, speculated: bool,
-             level_slots: torch.Tensor | None = None) -> None:
-        """The step's emitted tokens and their target hidden states: read now, or queued for the next draft.
-        level_slots: per accepted draft token, its entry in the drafter's tree scratch (-1: never forwarded); a
-        drafter that reads no features keeps the leading forwarded ones and reads only the rest."""
-        if speculated:
-            kept = 0
-            if level_slots is not None and not self.drafter.reads_features:
-                kept = int((level_slots >= 0).cumprod(0).sum())
-                self.drafter.keep_levels(level_slots[:kept])
-            self.root_logits, self.root_state = self.drafter.extend(tokens[kept:], hidden[kept:])
-        else:
-            self.behind.append((tokens, hidden))
+    def emit(self, tokens: list[int], fuzzy: list[bool], request: Request) -> None:
+        """Append a step's tokens (and their FSD flags), cut at the first stop token or at the token budget; done
+        then. A streamer with a `put_fuzzy_mask` method gets the flags before the tokens (the chat demo colours
+        fuzzily accepted tokens with them)."""
+        kept = []
+        for token in tokens[: request.max_new_tokens - len(self.generated)]:
+            kept.append(token)
+            if token in request.eos:
+                break
+        self.generated.extend(kept)
+        self.out.fuzzy_mask.extend(fuzzy[: len(kept)])
+        if request.streamer is not None and kept:
+            if hasattr(request.streamer, "put_fuzzy_mask"):
+                request.streamer.put_fuzzy_mask(fuzzy[: len(kept)])
+            request.streamer.put(torch.tensor(kept))
+        self.done = (bool(kept) and kept[-1] in request.eos) or len(self.generated) >= request.max_new_tokens
 
 
 def exactness(dtype: torch.dtype, target_quantized: bool = False) -> str:
@@ -146,44 +96,53 @@ class EaFsdModel(torch.nn.Module):
     """EAGLE-2 dynamic-tree speculative decoding over a Hugging Face causal LM (batch size 1).
 
     base_model: the HF target model (public, as in EAGLE); tokenizer: its tokenizer; drafter: EagleDrafter,
-    Eagle3Drafter or LMDrafter (None: plain decoding only; eagle_fsd.loading builds one). The draft tree: EAGLE's
-    total_token / depth / top_k, or `shape` (a TreeShape, which wins); `tuning`: the cost model's choice that
-    chose it (eagle_fsd.tune), which turns the speed guard on. Both are fixed for the model's life: `generate`
-    takes another shape per call.
+    Eagle3Drafter or LMDrafter (None: plain decoding only; eagle_fsd.loading builds one). plan: how the model runs
+    (eagle_fsd.plan.RunPlan, made by the loader; None: float weights as loaded, EAGLE's total_token / depth / top_k
+    as the tree). `tuning`: the cost model's choice of the tree (eagle_fsd.tune), which turns the speed guard on.
+    `generate` takes another tree per call.
     """
 
     def __init__(self, base_model, tokenizer=None, drafter=None, total_token: int = 60, depth: int = 5,
-                 top_k: int = 10, attention: str = "auto", shape: TreeShape | None = None,
-                 tuning: Tuning | None = None):
+                 top_k: int = 10, plan: RunPlan | None = None, tuning: Tuning | None = None):
         super().__init__()
-        check_backend(attention)
-        self.attention = attention  # the target's attention backend (eagle_fsd.attention); drafters hold their own
+        self.plan = plan or loading.plan_for(base_model, drafter, TreeShape(total_token, depth, top_k))
+        check_backend(self.plan.target.backend)
+        check_attention_support(base_model.config)  # sliding windows are honoured; other kinds are refused
         self.base_model = base_model
         self.tokenizer = tokenizer
         self.drafter = drafter
-        check_attention_support(base_model.config)  # sliding windows are honoured; other kinds are refused
-        self._shape = shape or TreeShape(total_token, depth, top_k)
-        self._tuning = tuning  # plain rate and verify costs for the speed guard
+        self._tuning = None
         self._guards: dict[FsdConfig | None, SpeedGuard] = {}  # the speed guard per acceptance rule, for life
         self._guard_memory = GuardMemory()  # what the guards measured, shared by them
         # the token vocabulary: logit rows beyond it (padding) are not tokens
         self.vocab_size = len(tokenizer) if tokenizer is not None else base_model.config.vocab_size
         self._vocab_ids = {0: None}  # draft vocabulary size -> its target ids (0: the drafter's own)
-        if drafter is not None and self._shape.draft_vocab:
-            drafter.set_draft_vocab(self._draft_vocab_ids(self._shape.draft_vocab))
+        if drafter is not None:
+            drafter.run = self.plan.drafter
+        if tuning is not None:
+            self.use_tuning(tuning)
+        elif drafter is not None and self.plan.draft_vocab:
+            drafter.set_draft_vocab(self._draft_vocab_ids(self.plan.draft_vocab))
+
+    def use_tuning(self, tuning: Tuning) -> None:
+        """The cost model's choice: its tree becomes the model's, and the speed guard uses its measured costs."""
+        self._tuning = tuning
+        self.plan = self.plan.with_tree(tuning.tree, tuned=True)
+        if self.drafter is not None:
+            self.drafter.set_draft_vocab(self._draft_vocab_ids(self.plan.draft_vocab))
 
     @property
     def shape(self) -> TreeShape:
-        return self._shape
+        return self.plan.tree
 
     @property
     def tuning(self) -> Tuning | None:
         return self._tuning
 
     # EAGLE's names for the tree
-    total_token = property(lambda self: self._shape.total_token)
-    depth = property(lambda self: self._shape.depth)
-    top_k = property(lambda self: self._shape.branching)
+    total_token = property(lambda self: self.shape.total_token)
+    depth = property(lambda self: self.shape.depth)
+    top_k = property(lambda self: self.shape.branching)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -197,12 +156,11 @@ class EaFsdModel(torch.nn.Module):
         total_token / depth / top_k: ints (EAGLE's meaning) or "auto", the shape the measured cost model predicts
         fastest here (unset: "auto" for a preset, else EAGLE's 60, 5, 10); draft_vocab: the drafter scores the N
         most frequent tokens (0: all; unset: "auto" while the tree is). dtype, prepack, draft_quant, target_quant:
-        "auto" or forced; see eagle_fsd.loading.load_pretrained."""
-        return loading.load_pretrained(cls, base_model, ea_model_path, draft_model,
-                                       (total_token, depth, top_k, draft_vocab),
-                                       dtype=dtype, device_map=device_map, attention=attention,
-                                       tune_progress=tune_progress, prepack=prepack, draft_quant=draft_quant,
-                                       target_quant=target_quant, **kwargs)
+        "auto" or forced; see eagle_fsd.loading.load_pretrained. Other keyword arguments go to transformers'
+        from_pretrained."""
+        options = loading.LoadOptions(dtype, device_map, attention, tune_progress, prepack, draft_quant, target_quant)
+        return loading.load_pretrained(cls, base_model, (ea_model_path, draft_model),
+                                       (total_token, depth, top_k, draft_vocab), options, kwargs)
 
     def _draft_vocab_ids(self, size: int) -> torch.Tensor | None:
         """The target ids of the `size` most frequent tokens (eagle_fsd.vocab); 0: None, the drafter's own."""
@@ -229,18 +187,22 @@ class EaFsdModel(torch.nn.Module):
         With tuned (auto) settings a speed guard decodes plainly while speculation measures slower than plain
         decoding (`GenerateOutput.plain_steps`); output is unchanged by it.
         profile: on CUDA, synchronise at each phase so that `phase_seconds` is exact.
-        shape: the draft tree of this call, as given (no speed guard); None: the model's own."""
+        shape: the draft tree of this call, as given (no speed guard); None: the plan's tree for the call's rule."""
         if self.drafter is None:
             raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
                              "or use naive_generate for plain decoding")
-        fsd = resolve_fsd(fsd, fsd_threshold)
-        with self._drafting_for(shape):
-            return self._generate(input_ids, self.drafter, max_new_tokens, temperature, top_p, top_k, streamer,
-                                  return_dict, eos_token_id, fsd, profile, shape)
+        rule = resolve_fsd(fsd, fsd_threshold)
+        tree = shape or self.plan.tree_for(rule)
+        request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer, tree)
+        request.fsd = rule
+        guard = self._speed_guard(rule) if shape is None else SpeedGuard(None)
+        with self._drafting_for(tree):
+            out = self._generate(input_ids, self.drafter, request, StepPolicy(tree, guard, True, profile))
+        return out if return_dict else out.sequences
 
-    def _drafting_for(self, shape: TreeShape | None):
+    def _drafting_for(self, shape: TreeShape):
         """The drafter over `shape`'s draft vocabulary for one call, when it is not the model's own."""
-        if shape is None or shape.draft_vocab == self._shape.draft_vocab:
+        if shape.draft_vocab == self.plan.draft_vocab:
             return nullcontext()
         return self.drafter.drafting_over(self._draft_vocab_ids(shape.draft_vocab))
 
@@ -248,23 +210,25 @@ class EaFsdModel(torch.nn.Module):
     def naive_generate(self, input_ids, max_new_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
                        top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None):
         """Plain decoding with the target alone (one token per forward): the baseline of every speed figure."""
-        return self._generate(input_ids, None, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
-                              eos_token_id)
+        request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer)
+        out = self._generate(input_ids, Plain(), request, StepPolicy(self.shape, SpeedGuard(None), False))
+        return out if return_dict else out.sequences
 
     # EAGLE's names, so EAGLE users can switch
     def eagenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                    log=False, is_llama3=False):
-        return self._eagle_call(self.generate, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, log,
-                                is_llama3)
+        return self._eagle_call(self.generate, input_ids, (temperature, top_p, top_k), (max_new_tokens, max_length),
+                                log, is_llama3)
 
     def naivegenerate(self, input_ids, temperature=0.0, top_p=0.0, top_k=0.0, max_new_tokens=512, max_length=2048,
                       log=False, is_llama3=False):
-        return self._eagle_call(self.naive_generate, input_ids, temperature, top_p, top_k, max_new_tokens,
-                                max_length, log, is_llama3)
+        return self._eagle_call(self.naive_generate, input_ids, (temperature, top_p, top_k),
+                                (max_new_tokens, max_length), log, is_llama3)
 
-    def _eagle_call(self, fn, input_ids, temperature, top_p, top_k, max_new_tokens, max_length, log, is_llama3):
+    def _eagle_call(self, fn, input_ids, sampling: tuple, budget: tuple, log: bool, is_llama3: bool):
         # EAGLE: top_p 0 and top_k 0.0 mean "off"; max_length caps prompt + new tokens.
-        max_new_tokens = min(max_new_tokens, max_length - input_ids.shape[-1])
+        temperature, top_p, top_k = sampling
+        max_new_tokens = min(budget[0], budget[1] - input_ids.shape[-1])
         eos = None
         if is_llama3:
             eos = sorted(eos_token_ids(self.base_model) | {self.tokenizer.convert_tokens_to_ids("<|eot_id|>")})
@@ -272,7 +236,9 @@ class EaFsdModel(torch.nn.Module):
                  top_p=top_p if 0 < top_p < 1 else 1.0, top_k=int(top_k), return_dict=True, eos_token_id=eos)
         return (out.sequences, out.new_tokens, out.verify_steps - 1) if log else out.sequences
 
-    def _check_generate_args(self, input_ids, max_new_tokens, shape: TreeShape):
+    def _request(self, input_ids, sampling: tuple, max_new_tokens, eos_token_id, streamer,
+                 tree: TreeShape | None = None) -> Request:
+        """A call's Request, its arguments checked (and the call's `tree`). sampling: (temperature, top_p, top_k)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape (1, prompt_len); got {tuple(input_ids.shape)} "
                              "(batch size > 1 is not supported)")
@@ -280,91 +246,76 @@ class EaFsdModel(torch.nn.Module):
             raise ValueError("input_ids is empty: give at least one prompt token")
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
-        vocab = self.base_model.config.vocab_size
-        if shape.branching > vocab:
-            raise ValueError(f"tree branching (EAGLE's top_k) {shape.branching} exceeds the vocabulary size {vocab}")
+        vocab_size = self.base_model.config.vocab_size
+        if tree is not None and tree.branching > vocab_size:
+            raise ValueError(f"tree branching (EAGLE's top_k) {tree.branching} exceeds the vocabulary size "
+                             f"{vocab_size}")
         context = getattr(self.base_model.config, "max_position_embeddings", None)
         needed = input_ids.shape[1] + max_new_tokens
         if context is not None and needed > context:
             raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
                              f"exceeds the model's context of {context} tokens; shorten the prompt or lower "
                              "max_new_tokens")
+        return Request(logits_processor(*sampling), eos_token_ids(self.base_model, eos_token_id), max_new_tokens,
+                       streamer)
 
-    def _generate(self, input_ids, drafter, max_new_tokens, temperature, top_p, top_k, streamer, return_dict,
-                  eos_token_id, fsd: FsdConfig | None = None, profile: bool = False, shape: TreeShape | None = None):
-        """The loop; with `shape` (not the model's own) the tree is run as given, without the speed guard."""
-        processor = logits_processor(temperature, top_p, top_k)
-        tree_shape = shape or self._shape
-        self._check_generate_args(input_ids, max_new_tokens, tree_shape)
-        start = time.perf_counter()
+    def _generate(self, input_ids, proposer, request: Request, steps: StepPolicy) -> GenerateOutput:
+        """The loop: each step drafts a tree (the root alone where it decodes plainly), verifies it in one target
+        forward, accepts the longest branch the rule takes and emits it; the proposer then reads what was emitted."""
+        state = self._prefill(input_ids, proposer, request, steps)
+        while not state.done:
+            speculate = steps.speculate()
+            if speculate and state.session.read_prompt():
+                steps.lap("draft_prefill")  # once a call, like the target's prefill: not a step's cost
+            steps.begin_step()
+            tree = state.session.draft(state.root, steps.shape, speculate)
+            steps.lap("draft")
+            step, features = self._verify_and_accept(tree, state.cache, request, steps, len(state.generated))
+            state.emit(step.tokens, step.fuzzy_mask, request)
+            state.root = step.next_token
+            steps.lap("other")
+            if not state.done:
+                emitted = torch.tensor(step.tokens, device=state.root.device)
+                state.session.read(emitted, features[step.path], tree, step.path, speculate)
+                steps.lap("draft")
+            steps.record(state.out, step, tree.size, speculate)
+        if request.streamer is not None:
+            request.streamer.end()
+        return steps.finish(state.out, input_ids, state.generated)
+
+    def _prefill(self, input_ids, proposer, request: Request, steps: StepPolicy) -> Decoding:
+        """The target reads the prompt and chooses the first new token, which roots the first tree; the proposer's
+        session starts (a drafter reads the prompt at its first draft)."""
         prompt = input_ids[0].to(self.base_model.device)
-        eos = eos_token_ids(self.base_model, eos_token_id)
-        tree_room = tree_shape.total_token + 1 if drafter is not None else 1
-        cache = TreeCache.for_model(self.base_model, prompt.numel() + max_new_tokens + tree_room)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-
-        # Prefill: the target reads the prompt and chooses the first new token, which roots the first tree.
         n = prompt.numel()
-        layers = None if drafter is None else drafter.feature_layers  # EAGLE-3: hidden states entering these layers
+        room = proposer.tree_room(steps.shape)
+        cache = TreeCache.for_model(self.base_model, n + request.max_new_tokens + room, self.plan.target)
+        if request.streamer is not None:
+            request.streamer.put(input_ids.cpu())
         hidden, features = decoder_outputs(self.base_model, prompt, cache, causal_mask(0, n, prompt.device),
-                                           torch.arange(n, device=prompt.device), self.attention, layers)
-        root = choose_tokens(self.base_model.get_output_embeddings()(hidden[-1:]), processor)[0]
-        reader = None
-        if drafter is not None:
-            reader = DrafterReader(drafter, cache.max_len + tree_shape.level_room, prompt, root, features)
+                                           torch.arange(n, device=prompt.device), self.plan.target,
+                                           proposer.feature_layers)
+        root = choose_tokens(self.base_model.get_output_embeddings()(hidden[-1:]), request.processor)[0]
+        session = proposer.session(cache.max_len + steps.shape.level_room, prompt, root, features)
+        state = Decoding(cache, root, session, GenerateOutput(sequences=input_ids))
+        state.emit([int(root)], [False], request)
+        return state
 
-        generated: list[int] = []
-        out = GenerateOutput(sequences=input_ids)
-        done = self._emit(generated, out.fuzzy_mask, [int(root)], [False], eos, max_new_tokens, streamer)
-        guard = None if drafter is None else self._speed_guard(fsd) if shape is None else SpeedGuard(None)
-        clock = PhaseClock(sync=profile)
-        while not done:
-            speculate = drafter is not None and guard.speculate()
-            if speculate and reader.read_prompt():
-                clock.lap("draft_prefill")  # once a call, like the target's prefill: not a step's cost
-            step_start = clock.last
-            tree = self._draft(reader, root, tree_shape) if speculate else chain_tree(root.reshape(1))
-            clock.lap("draft")
-            step, features, verify_seconds = self._verify_and_accept(tree, cache, processor, fsd, clock, layers,
-                                                                     emitted=len(generated))
-            out.record(step, plain=drafter is not None and not speculate)
-            done = self._emit(generated, out.fuzzy_mask, step.tokens, step.fuzzy_mask, eos, max_new_tokens, streamer)
-            root = step.next_token
-            clock.lap("other")
-            if not done and reader is not None:
-                reader.read(torch.tensor(step.tokens, device=prompt.device), features[step.path], speculate,
-                            tree.level_slots(step.path) if speculate else None)
-                clock.lap("draft")
-            if guard is not None:
-                guard.record(speculate, len(step.tokens), clock.last - step_start, verify_seconds, tree.size)
-        if streamer is not None:
-            streamer.end()
-        out.finish(input_ids, generated, time.perf_counter() - start, clock.seconds)
-        return out if return_dict else out.sequences
-
-    def _draft(self, reader: DrafterReader, root: torch.Tensor, shape: TreeShape):
-        """The next draft tree, after the drafter caught up on what it missed."""
-        root_logits, root_state = reader.at_root()
-        return grow_tree(reader.drafter, root, root_logits, root_state, shape)
-
-    def _verify_and_accept(self, tree, cache: TreeCache, processor, fsd: FsdConfig | None, clock: PhaseClock,
-                           layers: tuple[int, ...] | None = None, emitted: int = 0):
-        """One target forward over the tree, acceptance, and the cache cut to the accepted path:
-        (step, the tree's drafter features, verify seconds)."""
+    def _verify_and_accept(self, tree, cache: TreeCache, request: Request, steps: StepPolicy, emitted: int = 0):
+        """One target forward over the tree, acceptance, and the cache cut to the accepted path: (step, the tree's
+        drafter features)."""
         committed = cache.get_seq_length()
-        logits, features = self._verify(tree, cache, layers)
-        verify_start = clock.last
-        clock.lap("verify")
-        verify_seconds = clock.last - verify_start
-        step = self._accept(tree, logits, processor, fsd, emitted)
-        clock.lap("accept")
+        logits, features = self._verify(tree, cache, self.drafter.feature_layers if steps.speculative else None)
+        steps.lap("verify")
+        step = fsd_accept(tree, logits, choose_tokens(logits, request.processor), request.fsd, self.vocab_size,
+                          request.processor, emitted)
+        steps.lap("accept")
         if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
             cache.crop(committed + step.accept_length + 1)
         else:
             cache.keep(committed, step.path)
-        clock.lap("cache")
-        return step, features, verify_seconds
+        steps.lap("cache")
+        return step, features
 
     def _speed_guard(self, rule: FsdConfig | None = None) -> SpeedGuard:
         """The never-slower-than-plain guard for acceptance `rule` (a call's FsdConfig; threshold None or rule None:
@@ -372,7 +323,7 @@ class EaFsdModel(torch.nn.Module):
         calls under that rule."""
         if self._tuning is None:
             return SpeedGuard(None)
-        rule = None if rule is None or rule.threshold is None else rule
+        rule = rule_key(rule)
         if rule not in self._guards:
             t = self._tuning  # predicted to lose: plain first (timing t_plain), speculation probed after 32 tokens
             self._guards[rule] = SpeedGuard(t.plain_ms, t.verify_ms, backoff=32, start_plain=not t.speculate,
@@ -385,30 +336,8 @@ class EaFsdModel(torch.nn.Module):
         committed = cache.get_seq_length()
         hidden, features = decoder_outputs(self.base_model, tree.tokens, cache,
                                            prefix_tree_mask(committed, tree.tree_mask), committed + tree.depths,
-                                           self.attention, layers)
+                                           self.plan.target, layers)
         return self.base_model.get_output_embeddings()(hidden), features
-
-    def _accept(self, tree, logits, processor, fsd: FsdConfig | None, emitted: int = 0):
-        return fsd_accept(tree, logits, choose_tokens(logits, processor), fsd, self.vocab_size, processor, emitted)
-
-    @staticmethod
-    def _emit(generated: list[int], fuzzy_mask: list[bool], new: list[int], new_fuzzy: list[bool], eos: set[int],
-              max_new_tokens: int, streamer) -> bool:
-        """Append a step's tokens (and their FSD flags) to `generated` (`fuzzy_mask`), cut at the first eos or at
-        the token budget; True when done. A streamer with a `put_fuzzy_mask` method gets the flags before the
-        tokens (the chat demo colours fuzzily accepted tokens with them)."""
-        kept = []
-        for token in new[: max_new_tokens - len(generated)]:
-            kept.append(token)
-            if token in eos:
-                break
-        generated.extend(kept)
-        fuzzy_mask.extend(new_fuzzy[: len(kept)])
-        if streamer is not None and kept:
-            if hasattr(streamer, "put_fuzzy_mask"):
-                streamer.put_fuzzy_mask(new_fuzzy[: len(kept)])
-            streamer.put(torch.tensor(kept))
-        return (bool(kept) and kept[-1] in eos) or len(generated) >= max_new_tokens
 
 
 def load_model(settings: Settings) -> EaFsdModel:

@@ -11,14 +11,11 @@ In fp32, `F.linear` goes to MKL's sgemm instead, whose few-row path is slow on A
 chosen by measurement ("auto", eagle_fsd.tune.dtype). fp32 packed results equal `F.linear`'s up to the order of the
 fp32 sums (in the probe, max |difference| 1e-4 to 5e-4 on outputs of standard deviation 40 to 95), not bit for bit.
 
-`prepack_linears(model)` swaps every `nn.Linear` of a module tree for a `PackedLinear` that shares its weight and bias
-(state_dict, `.weight` and tied embeddings are unchanged) and keeps a packed copy beside them (one more copy of the
-linear weights in memory). `unpacked(model)` runs a block with the plain kernels again, e.g. to time HF `generate` as
-users run it. CPU only: a packed layer raises if its input is not on the CPU.
+A `PackedLinear` shares its weight and bias with the `nn.Linear` it replaces (eagle_fsd.weights swaps them: state_dict,
+`.weight` and tied embeddings are unchanged) and keeps a packed copy beside them (one more copy of the linear weights in
+memory). CPU only: a packed layer raises if its input is not on the CPU.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -51,7 +48,6 @@ class PackedLinear(nn.Linear):
     the packed copy does not follow later changes to `weight`."""
 
     packed: torch.Tensor
-    use_packed: bool = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -63,45 +59,7 @@ class PackedLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_packed:
-            return super().forward(x)
         if x.device.type != "cpu":
             raise RuntimeError("PackedLinear holds a CPU-packed weight; load the model on the device instead of "
                                "moving a prepacked one")
         return packed_linear(x, self.packed, None if self.bias is None else self.bias.detach())
-
-
-def prepack_linears(model: nn.Module) -> int:
-    """Swap every plain nn.Linear under `model` for a PackedLinear sharing its parameters; returns how many."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear.from_linear(child))
-                swapped += 1
-    return swapped
-
-
-def is_prepacked(model: nn.Module) -> bool:
-    return any(isinstance(m, PackedLinear) for m in model.modules())
-
-
-@contextlib.contextmanager
-def unpacked(*models: nn.Module):
-    """Within the block the PackedLinear layers of `models` (and the int4 / int8 drafting layers of eagle_fsd.quant,
-    which share the flag) run the plain `F.linear` kernel on their own weights."""
-    with switched_off("use_packed", *models):
-        yield
-
-
-@contextlib.contextmanager
-def switched_off(flag: str, *models: nn.Module):
-    """Within the block the layers of `models` that have the boolean `flag` hold it False."""
-    layers = [m for model in models if model is not None for m in model.modules() if hasattr(m, flag)]
-    for layer in layers:
-        setattr(layer, flag, False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            setattr(layer, flag, True)

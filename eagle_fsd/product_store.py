@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 from eagle_fsd.files import cache_dir
 from eagle_fsd.kernels.int4_rows import int4_rows_isa
 from eagle_fsd.kernels.int8_rows import int8_rows_available
-from eagle_fsd.target_quant import product_from_state, quantize_target
+from eagle_fsd.plan import WeightFormat
+from eagle_fsd.target_quant import product_from_state
+from eagle_fsd.weights import format_weights
 
 STORE_VERSION = 1  # the products' layouts (pack_int4, pack_int8_rows, state()); bump when one changes
 WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weights (and their shapes) live in
@@ -26,7 +28,7 @@ WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weight
 def model_source(model: torch.nn.Module) -> dict | None:
     """{"folder": the local folder `model` was loaded from, "weights": its weight files' names, sizes and
     modification times}; None for a model not loaded from a local folder."""
-    name = getattr(model, "name_or_path", "") or ""
+    name = model.name_or_path or ""
     folder = Path(name)
     if not name or not folder.is_dir():
         return None
@@ -35,14 +37,14 @@ def model_source(model: torch.nn.Module) -> dict | None:
     return {"folder": str(folder.resolve()), "weights": weights}
 
 
-def products_path(model: torch.nn.Module, **settings) -> Path | None:
-    """Where `quantize_target(model, **settings)` keeps its products: a file per `model_source` (folder and weight
+def products_path(model: torch.nn.Module, fmt: WeightFormat) -> Path | None:
+    """Where `format_weights(model, fmt)` (a `rows` format) keeps its products: a file per `model_source` (folder and weight
     files), weight dtype, settings, kernel builds and STORE_VERSION; None for a model not loaded from a local
     folder."""
     source = model_source(model)
     if source is None:
         return None
-    key = {"source": source, "dtype": str(next(model.parameters()).dtype), "settings": settings,
+    key = {"source": source, "dtype": str(next(model.parameters()).dtype), "settings": settings_of(fmt),
            "int4_build": int4_rows_isa(), "int8_rows": int8_rows_available(), "version": STORE_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "products" / f"{Path(source['folder']).name}-{digest}.safetensors"
@@ -121,13 +123,19 @@ class ProductStore:
                 other.unlink(missing_ok=True)
 
 
-def quantize_cached(model: torch.nn.Module, **settings) -> int:
-    """`quantize_target(model, **settings)` (activation_bits, exact, four_bit, requantize) with its products read
-    from and added to the per-machine cache (`products_path`) when the model comes from a local folder; a cache that
-    cannot be written costs the next load its time, nothing else."""
-    path = products_path(model, **settings)
+def settings_of(fmt: WeightFormat) -> dict:
+    """The settings a `rows` format's products depend on."""
+    return {"activation_bits": fmt.activation_bits, "exact": fmt.exact, "four_bit": fmt.four_bit,
+            "requantize": fmt.requantize}
+
+
+def format_cached(model: torch.nn.Module, fmt: WeightFormat) -> int:
+    """`format_weights(model, fmt)` with a `rows` model's products read from and added to the per-machine cache
+    (`products_path`) when the model comes from a local folder; a cache that cannot be written costs the next load
+    its time, nothing else."""
+    path = products_path(model, fmt) if fmt.quantized_rows else None
     store = None if path is None else ProductStore(path, model_source(model))
-    swapped = quantize_target(model, store=store, **settings)
+    swapped = format_weights(model, fmt, store)
     if store is not None:
         try:
             store.save()

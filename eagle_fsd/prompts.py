@@ -23,7 +23,7 @@ class PromptFormat:
             except KeyError:
                 raise SystemExit(f"--conv-template {conv_template!r} is not a FastChat 0.2.36 template "
                                  "(e.g. vicuna_v1.1, llama-2, qwen-7b-chat)") from None
-        elif not getattr(tokenizer, "chat_template", None):
+        elif not tokenizer.chat_template:
             raise SystemExit("the tokenizer has no chat template: pass --conv-template NAME (a FastChat template, "
                              "e.g. vicuna_v1.1)")
 

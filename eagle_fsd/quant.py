@@ -17,12 +17,10 @@ against 51 / 287 ms at 5 / 100 rows).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
-from eagle_fsd.prepack import PackedLinear, packed_linear, switched_off
+from eagle_fsd.prepack import PackedLinear, packed_linear
 
 BITS = (4, 8)
 MAX_QUANT_ROWS = 4  # more rows than this: the original weight's kernel
@@ -79,8 +77,6 @@ class QuantLinear(nn.Linear):
     q: torch.Tensor
     scale: torch.Tensor
     bits: int
-    use_packed: bool = True  # False: the plain kernel on the shared weight (eagle_fsd.prepack.unpacked)
-    use_quant: bool = True   # False: the original weight's kernel at any row count (`original_weights`)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int) -> QuantLinear:
@@ -102,12 +98,10 @@ class QuantLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_packed:
-            return super().forward(x)
         if x.device.type != "cpu":
             raise RuntimeError("QuantLinear runs on the CPU only; quantize the drafter after moving it")
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_QUANT_ROWS or not self.use_quant:
+        if rows.shape[0] > MAX_QUANT_ROWS:
             if self.packed is not None:
                 return packed_linear(x, self.packed, None if self.bias is None else self.bias.detach())
             return super().forward(x)
@@ -117,33 +111,3 @@ class QuantLinear(nn.Linear):
             y = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.detach()
-
-
-def quantize_linears(model: nn.Module, bits: int) -> int:
-    """Swap the nn.Linear layers under `model` (plain or prepacked) whose shape the kernel takes for QuantLinear;
-    returns how many. Layers the int4 kernel cannot take stay as they are."""
-    if not quant_supported(bits):
-        raise ValueError(f"int{bits} drafting needs PyTorch's CPU weight-only kernel "
-                         f"(aten._weight_int{bits}pack_mm{'_for_cpu' if bits == 4 else ''}); this PyTorch "
-                         f"{torch.__version__} lacks it. Use draft_quant 'off'")
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not isinstance(child, QuantLinear) \
-                    and (bits == 8 or int4_fits(child.out_features, child.in_features)):
-                setattr(parent, name, QuantLinear.from_linear(child, bits))
-                swapped += 1
-    return swapped
-
-
-def quant_bits(model: nn.Module) -> int:
-    """4 or 8 when `model` drafts with quantized weights, else 0."""
-    return next((m.bits for m in model.modules() if isinstance(m, QuantLinear)), 0)
-
-
-@contextlib.contextmanager
-def original_weights(*models: nn.Module):
-    """Within the block the QuantLinear layers of `models` multiply by their original weights (prepacked where they
-    were): the drafter as loaded, e.g. to time what int4 drafting saves in the same run."""
-    with switched_off("use_quant", *models):
-        yield

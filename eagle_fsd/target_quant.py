@@ -67,10 +67,9 @@ from eagle_fsd.kernels.int4_rows import (GROUP, LANES, cpu_flags, fits_int4, int
                                          int4_rows_linear, pack_int4, quantize_int4)
 from eagle_fsd.kernels.int8_rows import (int8_rows_available, int8_rows_entry, int8_rows_linear, pack_int8_rows,
                                          quantize_int8)
-from eagle_fsd.quant import quant_bits
+from eagle_fsd.prepack import PackedLinear
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
-FP64_ATTENTION = "eagle_fsd_fp64_attention"  # a config attribute: attend in float64 (eagle_fsd.attention)
 
 
 def row_int8_supported(device: torch.device | str = "cpu") -> bool:
@@ -281,10 +280,8 @@ def kernel_call(product) -> tuple[int, list[torch.Tensor], int] | None:
 class RowQuantLinear(nn.Linear):
     """An nn.Linear computing y = x W^T + b through an Int8Product or Int4Product (its own, or columns of one shared
     with its siblings), in fp32 whatever the weight's dtype, returned in the input's dtype. Shares `weight` and `bias`
-    with the layer it replaces (state_dict, tied embeddings and a draft vocabulary's slices unchanged); `use_packed`
-    False runs F.linear on them instead, as `eagle_fsd.prepack.unpacked` asks. Inference only, CPU only."""
-
-    use_packed: bool = True
+    with the layer it replaces (state_dict, tied embeddings and a draft vocabulary's slices unchanged). Inference only,
+    CPU only."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activation_bits: int | None = None, per_row: bool = True,
@@ -308,8 +305,6 @@ class RowQuantLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_packed:
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         y = self.product(x)
         return (y if self.columns is None else y[..., self.columns]).to(x.dtype)
 
@@ -334,7 +329,7 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     SharedInputProducts: one over those that run int4 (`runs_int4`), one over the rest; returns how many. store,
     prefix: products are kept in / read from `store` as "{prefix}q_proj+k_proj+v_proj" and the like."""
     layers = [getattr(parent, name, None) for name in names]
-    if not all(isinstance(layer, nn.Linear) and not isinstance(layer, RowQuantLinear) for layer in layers) \
+    if not all(type(layer) in (nn.Linear, PackedLinear) for layer in layers) \
             or len({layer.in_features for layer in layers}) != 1:
         return 0
     kept = None if store is None else store.kinds(prefix, {name: tuple(layer.weight.shape)
@@ -364,42 +359,6 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     return len(layers)
 
 
-def quantize_target(model: nn.Module, activation_bits: int | None = None, exact: bool = True, four_bit: bool = False,
-                    requantize: bool = False, store=None) -> int:
-    """Every linear layer of `model` (plain or prepacked) becomes a RowQuantLinear, and every other parameter fp32,
-    so that the activations between the quantized products stay fp32; returns how many layers. The linear weights
-    keep their dtype (bf16 weights are only read by `unpacked` runs, e.g. HF generate as users run it). exact:
-    attention in float64 and activations rounded per row (see the module docstring); a drafter, whose rounding only
-    moves acceptance, goes without both. four_bit: layers whose weights are 4-bit already run the int4 kernel (where
-    this CPU has it: AVX-512 VNNI or AVX2), the others int8. requantize (with four_bit; a drafter, not exact): every layer
-    whose input width is whole groups of 32 is rounded to 4 bits and runs int4, 4-bit already or not. store: an
-    eagle_fsd.product_store.ProductStore for these settings, which serves the products built before (by module name)
-    and keeps the new ones."""
-    if not row_int8_supported(next(model.parameters()).device):
-        raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
-                         f"{torch.__version__} or device lacks it. Use target_quant 'off'")
-    four_bit = four_bit and int4_rows_available()
-    swapped = 0
-    for parent_name, parent in list(model.named_modules()):
-        prefix = f"{parent_name}." if parent_name else ""
-        for names in SIBLINGS:
-            swapped += share_product(parent, names, activation_bits, exact, four_bit, requantize, store, prefix)
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not isinstance(child, RowQuantLinear):
-                product = stored(store, prefix + name, child.weight.shape, lambda: make_product(
-                    child.weight, child.bias, activation_bits, exact, four_bit, requantize))
-                setattr(parent, name, RowQuantLinear.from_weight(child.weight, child.bias, product=product))
-                swapped += 1
-    setattr(model.config, FP64_ATTENTION, exact)  # row-exact attention (eagle_fsd.attention)
-    for module in model.modules():
-        if isinstance(module, RowQuantLinear):
-            continue
-        for param in module.parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != torch.float32:
-                param.data = param.data.float()  # a tied embedding too: its lm_head's weight is the same tensor
-    return swapped
-
-
 def int4_share(model: nn.Module) -> float:
     """The fraction of a quantized model's linear weights that run 4-bit (the rest int8); 0 for any other model."""
     products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}.values()
@@ -412,19 +371,3 @@ def runs_int8_rows(model: nn.Module) -> bool:
     """Some of a quantized model's int8 layers run eagle_fsd.kernels.int8_rows (not FBGEMM)."""
     products = (own_product(m.product) for m in model.modules() if isinstance(m, RowQuantLinear))
     return any(isinstance(p, Int8Product) and p.avx2 for p in products)
-
-
-def is_target_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, RowQuantLinear) for m in model.modules())
-
-
-def weights_label(model: nn.Module | None) -> str:
-    """How a model's linear layers multiply: "int8 x int8" (here), "int4" / "int8" (weight-only, eagle_fsd.quant)
-    or "as loaded"."""
-    if model is None:
-        return "none"
-    if is_target_quantized(model):
-        share = int4_share(model)
-        return f"int4 x int8 ({share:.0%} of weights), int8 x int8" if share else "int8 x int8"
-    bits = quant_bits(model)
-    return f"int{bits}" if bits else "as loaded"

@@ -25,7 +25,7 @@ a request with FSD on are vLLM's for its lossless tokens only.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,21 +88,29 @@ def replacement(target_probs: torch.Tensor, lossless_q: torch.Tensor | None, dra
     return int(torch.multinomial(weights, 1, generator=generator))
 
 
-def fuzzy_chain(kept: list[int], drafts: torch.Tensor, target_logits: torch.Tensor, target_probs: torch.Tensor,
-                draft_probs: torch.Tensor, lossless_q: torch.Tensor | None, bonus_probs: torch.Tensor,
-                fsd: FsdConfig, greedy: bool, generator: torch.Generator | None = None) -> list[int]:
+@dataclass(frozen=True)
+class DraftChain:
+    """One request's n drafts and the distributions at their positions (V: the vocabulary)."""
+    drafts: torch.Tensor  # (n,)
+    target_logits: torch.Tensor  # (n, V) raw, for D
+    target_probs: torch.Tensor  # (n, V) after vLLM's sampling processors, for the lossless test
+    draft_probs: torch.Tensor  # (n, V) q, for D
+    lossless_q: torch.Tensor | None  # (n, V) the q' of vLLM's test; None: greedy drafting, q' one-hot
+    bonus_probs: torch.Tensor  # (V,) the target's next distribution after the last draft
+
+
+def fuzzy_chain(kept: list[int], chain: DraftChain, fsd: FsdConfig, greedy: bool,
+                generator: torch.Generator | None = None) -> list[int]:
     """One request's tokens for this step under the reducible rule, given vLLM's lossless tokens `kept` (its
-    accepted drafts, then its recovered or bonus token).
-    drafts (n,); target_logits (n, V) raw, for D; target_probs (n, V) after vLLM's sampling processors, for the
-    lossless test; draft_probs (n, V) q for D; lossless_q (n, V) or None, the q of vLLM's test; bonus_probs (V,)
-    the target's next distribution after the last draft."""
+    accepted drafts, then its recovered or bonus token)."""
+    drafts, lossless_q = chain.drafts, chain.lossless_q
     n, start = drafts.numel(), len(kept) - 1  # start: vLLM's first rejected draft
     if start >= n:
         return kept
-    d = divergence(target_logits[start:], draft_probs[start:].log(), fsd.divergence)
+    d = divergence(chain.target_logits[start:], chain.draft_probs[start:].log(), fsd.divergence)
     if not bool(reducible_chain(torch.tensor([False]), d[:1], fsd.threshold)):
         return kept  # vLLM's rejection stands (nothing drawn: T = 0 leaves every random stream as vLLM left it)
-    verdicts = lossless_verdicts(drafts[start:], target_probs[start:],
+    verdicts = lossless_verdicts(drafts[start:], chain.target_probs[start:],
                                  None if lossless_q is None else lossless_q[start:], greedy, generator)
     verdicts[0] = False  # vLLM's own verdict on draft `start`
     keep = reducible_chain(verdicts, d, fsd.threshold)
@@ -111,10 +119,9 @@ def fuzzy_chain(kept: list[int], drafts: torch.Tensor, target_logits: torch.Tens
         return kept
     tokens = drafts[:stop].tolist()
     if stop == n:
-        weights = bonus_probs
-        return tokens + [int(bonus_probs.argmax()) if greedy else int(torch.multinomial(weights, 1,
-                                                                                         generator=generator))]
-    return tokens + [replacement(target_probs[stop], None if lossless_q is None else lossless_q[stop],
+        bonus = chain.bonus_probs
+        return tokens + [int(bonus.argmax()) if greedy else int(torch.multinomial(bonus, 1, generator=generator))]
+    return tokens + [replacement(chain.target_probs[stop], None if lossless_q is None else lossless_q[stop],
                                  int(drafts[stop]), greedy, generator)]
 
 
@@ -186,10 +193,10 @@ def _fsd_sample(runner, original, logits, metadata):
         span = slice(starts[row], starts[row] + n)
         kept = [t for t in tokens[row].tolist() if t >= 0]
         greedy = sampling_metadata.all_greedy or float(sampling_metadata.temperature[row]) == 0.0
-        new = fuzzy_chain(kept, metadata.draft_token_ids[span].long(), raw[span], target_probs[span],
-                          draft_probs[span], None if lossless_q is None else lossless_q[span],
-                          _bonus_probs(bonus_raw[row], row, sampling_metadata), fsd, greedy,
-                          sampling_metadata.generators.get(row))
+        chain = DraftChain(metadata.draft_token_ids[span].long(), raw[span], target_probs[span], draft_probs[span],
+                           None if lossless_q is None else lossless_q[span],
+                           _bonus_probs(bonus_raw[row], row, sampling_metadata))
+        new = fuzzy_chain(kept, chain, fsd, greedy, sampling_metadata.generators.get(row))
         tokens[row] = -1
         tokens[row, :len(new)] = torch.tensor(new, dtype=tokens.dtype)
     return replace(output, sampled_token_ids=tokens)
@@ -222,4 +229,5 @@ def register() -> None:
     setattr(GPUModelRunner, _WRAPPED, True)
 
 
-__all__ = ["SUPPORTED_VLLM", "check_vllm_version", "request_fsd", "lossless_verdicts", "fuzzy_chain", "register"]
+__all__ = ["SUPPORTED_VLLM", "check_vllm_version", "request_fsd", "lossless_verdicts", "DraftChain", "fuzzy_chain",
+           "register"]

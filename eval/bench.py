@@ -30,11 +30,9 @@ from eagle_fsd.eval.data import load_questions
 from eagle_fsd.eval.llama_cpp_peer import import_llama_cpp, llama_cpp_methods, smoke_test
 from eagle_fsd.eval.vllm_peer import VllmJob, run_rows
 from eagle_fsd.fsd import FsdConfig
-from eagle_fsd.loading import as_hf_runs_it
-from eagle_fsd.model import eos_token_ids, load_model
-from eagle_fsd.prepack import unpacked
-from eagle_fsd.quant import original_weights
-from eagle_fsd.target_quant import weights_label
+from eagle_fsd.drafting import LMDrafter
+from eagle_fsd.loading import as_hf_runs_it, plan_for
+from eagle_fsd.model import EaFsdModel, eos_token_ids, load_model
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import device_name
 from eagle_fsd.prompts import PromptFormat
@@ -85,12 +83,11 @@ def prompts(tokenizer, n: int, path=None) -> list[torch.Tensor]:
 
 def hf_method(target, max_new_tokens: int, assistant=None):
     """HF generate greedy, optionally assisted by `assistant` (HF's own speculative decoding), with the plain
-    `F.linear` kernels as users run it (no prepacked weights)."""
+    `F.linear` kernels as users run it (as_hf_runs_it: no prepacked or rounded weights)."""
     def run(ids):
         start = time.perf_counter()
-        with unpacked(target, assistant):
-            seq = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, assistant_model=assistant)
+        seq = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=max_new_tokens, assistant_model=assistant)
         return {"sequences": seq, "wall_time": time.perf_counter() - start}
     return run
 
@@ -133,7 +130,7 @@ def methods_for(model, job: BenchJob, target, ids_list) -> dict:
                                                     dtype=torch_dtype(name)).eval()
         methods[f"hf-generate {name}"] = hf_method(copy, n)
         hf_method(copy, 4)(torch.tensor([[1, 2, 3, 4]]))  # warm-up, as for the loaded model in `run`
-    assistant = as_hf_runs_it(model.drafter.assistant_model)
+    assistant = as_hf_runs_it(model.drafter.assistant_model, model.plan.drafter)
     if job.hf_assisted and assistant is not None:
         methods["hf-assisted"] = hf_method(target, n, assistant)
     methods["eagle-fsd"] = lambda ids: model.generate(ids, max_new_tokens=n, return_dict=True)
@@ -153,10 +150,16 @@ def methods_for(model, job: BenchJob, target, ids_list) -> dict:
 
 
 def full_drafter_method(model, max_new_tokens: int):
-    def run(ids):
-        with original_weights(model.drafter.module):
-            return model.generate(ids, max_new_tokens=max_new_tokens, return_dict=True)
-    return run
+    """The same target, loop and tree, the LM drafter loaded afresh with its weights as stored (the before of
+    draft_quant)."""
+    module = as_hf_runs_it(model.drafter.assistant_model, model.plan.drafter)
+    if module is None:
+        raise SystemExit("--also-full-drafter needs an LM drafter")
+    drafter = LMDrafter(module.to(model.plan.target.dtype), model.drafter.vocab_size)
+    plan = plan_for(model.base_model, drafter, model.shape, (model.plan.target.weights, None),
+                    model.plan.target.backend)
+    as_loaded = EaFsdModel(model.base_model, model.tokenizer, drafter, plan=plan)
+    return lambda ids: as_loaded.generate(ids, max_new_tokens=max_new_tokens, return_dict=True)
 
 
 def fixed_tree_method(model, spec: str, max_new_tokens: int):
@@ -173,7 +176,7 @@ def run(job: BenchJob) -> dict:
     model = load_model(job.settings)
     loaded_rss = peak_rss_gb()  # the engine's models, before any baseline copy loads
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
-    hf_target = as_hf_runs_it(model.base_model)
+    hf_target = as_hf_runs_it(model.base_model, model.plan.target)
     methods = methods_for(model, job, hf_target, ids_list)
     for fsd in [None, *job.fsd_rows[:1]]:  # warm-up, FSD's divergence pass included (its first call is slow)
         model.generate(ids_list[0][:, :16], max_new_tokens=8, fsd=fsd)
@@ -228,7 +231,7 @@ def run(job: BenchJob) -> dict:
 def vllm_job(model, job: BenchJob, ids_list) -> VllmJob:
     """The same prompts, target and LM drafter for vLLM (no speculative rows when the engine drafts with a head)."""
     m = job.settings.model
-    lm_drafter = as_hf_runs_it(model.drafter.assistant_model) is not None if model.drafter else False
+    lm_drafter = model.drafter is not None and model.drafter.assistant_model is not None
     drafter = resolve_model(m.drafter or default_drafter(m.model)) if lm_drafter else None
     if drafter is None:
         print("vLLM: plain row only (its speculative rows need an LM drafter; this engine drafts with a head)")
@@ -318,8 +321,8 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
               "dtype": dtype_name(model.base_model.dtype), "questions": len(ids_list),
               "max_new_tokens": settings.generation.max_new_tokens, "tree": [model.total_token, model.depth, model.top_k],
               "threads": torch.get_num_threads(), "device": device_name(model.base_model.device),
-              "draft_weights": weights_label(model.drafter and model.drafter.module),
-              "target_weights": weights_label(model.base_model),
+              "draft_weights": "none" if model.plan.drafter is None else model.plan.drafter.label(),
+              "target_weights": model.plan.target.label(),
               "draft_vocab": model.shape.draft_vocab or "full", "rows": rows}
     if model.tuning is not None:
         by_name = {r["method"]: r for r in rows}

@@ -165,7 +165,7 @@ def _is_packed(tree_mask: torch.Tensor, n: int) -> bool:
 def _check_inputs(q, k, v, tree_mask):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+            raise ValueError(f"{name} must be a 4-D tensor, got {t.shape if isinstance(t, torch.Tensor) else type(t)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     B, hq, n, d = q.shape

@@ -52,7 +52,7 @@ def smollm2_tokenizer():
 def tiny_chat_model(smollm2_tokenizer):
     """A tiny random target drafting for itself (whole paths accepted: tau > 1), with SmolLM2's tokenizer and chat
     template, for the harness commands."""
-    from eagle_fsd.drafters import LMDrafter
+    from eagle_fsd.drafting import LMDrafter
     from eagle_fsd.model import EaFsdModel
     from tiny import tiny_model
 

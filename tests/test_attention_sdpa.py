@@ -7,10 +7,12 @@ import torch
 from transformers.integrations import sdpa_attention
 
 from eagle_fsd.attention import SDPA_GQA, sdpa
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.eval.gpu_check import random_tree_mask
 from eagle_fsd.hf import prefix_tree_mask
+from eagle_fsd.loading import plan_for
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.tree.shape import TreeShape
 from tiny import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not SDPA_GQA, reason="torch < 2.5 has no enable_gqa: transformers' path is used")
@@ -67,5 +69,6 @@ def test_engine_forwards_read_grouped_heads_in_place(monkeypatch):
     ids = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(1))
     want = hf_greedy(target, ids, 12)
     monkeypatch.setattr(sdpa_attention, "repeat_kv", copied)
-    model = EaFsdModel(target, None, LMDrafter(target, 1000), total_token=6, depth=3, top_k=2, attention="sdpa")
+    drafter = LMDrafter(target, 1000)
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(6, 3, 2), backend="sdpa"))
     assert torch.equal(model.generate(ids, max_new_tokens=12, eos_token_id=[]), want)

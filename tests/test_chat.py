@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle_fsd import chat, presets
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.prompts import PromptFormat
 from tiny import tiny_model

@@ -6,16 +6,26 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from eagle_fsd.attention import ForwardState
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import LMDrafter
-from eagle_fsd.fused_decoder import fused_decoder_forward, runs_fused
+from eagle_fsd.drafting import LMDrafter
+from eagle_fsd.fused_decoder import fused_decoder_forward, fused_fits
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
-from eagle_fsd.prepack import prepack_linears
 from eagle_fsd.kernels import decoder_glue as glue
-from eagle_fsd.target_quant import quantize_target
+from eagle_fsd.loading import model_run, plan_for
+from eagle_fsd.plan import WeightFormat
+from eagle_fsd.weights import PREPACKED, format_weights
 from tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not glue.decoder_glue_available(), reason="needs a C++ compiler and ninja")
+
+ROWS_TARGET = WeightFormat("rows", four_bit=True, requantize=True)  # an exact int4 x int8 target
+ROWS_DRAFTER = WeightFormat("rows", exact=False, four_bit=True, requantize=True)  # the drafter beside it
+
+
+def target_run(model, fmt=WeightFormat()):
+    """How the loader's plan runs `model` as a target with weights in `fmt` (the fused forward where it fits)."""
+    return model_run(model, fmt, "auto", exact=True, decoder=True)
 
 
 def strided_rows(rows, width, generator):
@@ -203,49 +213,47 @@ def tree_blocks(generator, start):
              torch.tensor([start]))]
 
 
-def forwards(model, forward, prompt, blocks):
-    """Hidden states of `forward` over the prompt, then over each (tokens, tree mask, positions) block on top of it
-    (each block scratch: cropped after)."""
-    cache = TreeCache.for_model(model, 128)
+def forwards(model, forward, prompt, blocks, run):
+    """Hidden states of `forward` (run as `run` says) over the prompt, then over each (tokens, tree mask, positions)
+    block on top of it (each block scratch: cropped after)."""
+    cache = TreeCache.for_model(model, 128, run)
     with torch.no_grad():
         outs = [forward(model, prompt, cache, causal_mask(0, prompt.numel(), prompt.device),
-                        torch.arange(prompt.numel()))]
+                        torch.arange(prompt.numel()), run)]
         for tokens, tree, positions in blocks:
-            outs.append(forward(model, tokens, cache, prefix_tree_mask(prompt.numel(), tree), positions))
+            outs.append(forward(model, tokens, cache, prefix_tree_mask(prompt.numel(), tree), positions, run))
             cache.crop(prompt.numel())
     return outs
 
 
-def transformers_forward(model, ids, cache, mask, positions):
-    """transformers' own decoder forward (what eagle_fsd.hf ran before the fused one)."""
+def transformers_forward(model, ids, cache, mask, positions, run):
+    """transformers' own decoder forward (what eagle_fsd.hf ran before the fused one), attending in float64 where the
+    run does (a row-exact target)."""
     decoder = model.get_decoder()
     out = decoder(input_ids=ids[None], attention_mask=mask, position_ids=positions[None], cache=cache,
-                  use_cache=True)
+                  use_cache=True, eagle_fsd_forward=ForwardState(run.backend, fp64=run.fp64_attention))
     return out.last_hidden_state[0]
-
-
-def drafter_forward(model, ids, cache, mask, positions):
-    return fused_decoder_forward(model, ids, cache, mask, positions, exact=False)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("weights", ["fp32", "prepacked"])
 def test_exact_fused_forward_equals_transformers_to_the_bit(kind, weights):
     model = tiny_model(kind, seed=7)
-    if weights == "prepacked":
-        prepack_linears(model)
-    assert runs_fused(model)
+    fmt = PREPACKED if weights == "prepacked" else WeightFormat()
+    format_weights(model, fmt)
+    run = target_run(model, fmt)
+    assert fused_fits(model) and run.fused
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (6,), generator=g)
     blocks = tree_blocks(g, 6)
-    ours, theirs = forwards(model, fused_decoder_forward, prompt, blocks), forwards(model, transformers_forward,
-                                                                                    prompt, blocks)
+    ours, theirs = (forwards(model, fused_decoder_forward, prompt, blocks, run),
+                    forwards(model, transformers_forward, prompt, blocks, run))
     for mine, reference in zip(ours, theirs):
         assert torch.equal(mine, reference)
-    assert all(torch.equal(a, b) for a, b in zip(forwards(model, decoder_forward, prompt, blocks), ours))
+    assert all(torch.equal(a, b) for a, b in zip(forwards(model, decoder_forward, prompt, blocks, run), ours))
 
 
-def branch_chains(model, forward, prompt, tree_block):
+def branch_chains(model, forward, prompt, tree_block, run):
     """Hidden states of each branch of the tree block (tokens, tree, positions) run as a chain on top of the prompt:
     node -> its state at the end of its branch."""
     tokens, tree, positions = tree_block
@@ -254,7 +262,7 @@ def branch_chains(model, forward, prompt, tree_block):
         branch = tree[node].nonzero()[:, 0]
         chain = (tokens[branch], torch.ones(branch.numel(), branch.numel(), dtype=torch.bool).tril(),
                  positions[branch])
-        states[node] = forwards(model, forward, prompt, [chain])[1][-1]
+        states[node] = forwards(model, forward, prompt, [chain], run)[1][-1]
     return states
 
 
@@ -264,18 +272,19 @@ def test_quantized_target_tree_nodes_equal_their_branches_to_the_bit(kind):
     equals the one its branch gets decoded as a chain, to the bit, and stays close to transformers' forward (which
     attends in float64 and sums its norms in another order)."""
     model = tiny_model(kind, seed=7)
-    quantize_target(model, four_bit=True, requantize=True)
-    assert runs_fused(model)
+    format_weights(model, ROWS_TARGET)
+    run = target_run(model, ROWS_TARGET)
+    assert fused_fits(model) and run.fused and run.fp64_attention and run.rows_attend
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (6,), generator=g)
     blocks = tree_blocks(g, 6)
-    ours = forwards(model, fused_decoder_forward, prompt, blocks)
-    for node, state in branch_chains(model, fused_decoder_forward, prompt, blocks[0]).items():
+    ours = forwards(model, fused_decoder_forward, prompt, blocks, run)
+    for node, state in branch_chains(model, fused_decoder_forward, prompt, blocks[0], run).items():
         assert torch.equal(state, ours[1][node]), node
-    theirs = forwards(model, transformers_forward, prompt, blocks)
+    theirs = forwards(model, transformers_forward, prompt, blocks, run)
     for mine, reference in zip(ours, theirs):
         assert torch.allclose(mine, reference, rtol=5e-2, atol=5e-2)
-    assert all(torch.equal(a, b) for a, b in zip(forwards(model, decoder_forward, prompt, blocks), ours))
+    assert all(torch.equal(a, b) for a, b in zip(forwards(model, decoder_forward, prompt, blocks, run), ours))
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -285,16 +294,19 @@ def test_fused_features_are_the_hidden_states_entering_the_layers(quantized):
     from eagle_fsd.hf import decoder_outputs
 
     model = tiny_model("qwen2", seed=9)
-    if quantized:
-        quantize_target(model, four_bit=True, requantize=True)
+    fmt = ROWS_TARGET if quantized else WeightFormat()
+    format_weights(model, fmt)
+    run = target_run(model, fmt)
+    assert run.fused
     layers = (0, 1, model.config.num_hidden_layers)
     ids = torch.randint(0, 1000, (5,), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        last, features = decoder_outputs(model, ids, TreeCache.for_model(model, 16), causal_mask(0, 5, "cpu"),
-                                         torch.arange(5), feature_layers=layers)
+        last, features = decoder_outputs(model, ids, TreeCache.for_model(model, 16, run), causal_mask(0, 5, "cpu"),
+                                         torch.arange(5), run, feature_layers=layers)
         out = model.get_decoder()(input_ids=ids[None], attention_mask=causal_mask(0, 5, "cpu"),
-                                  position_ids=torch.arange(5)[None], cache=TreeCache.for_model(model, 16),
-                                  use_cache=True, output_hidden_states=True)
+                                  position_ids=torch.arange(5)[None], cache=TreeCache.for_model(model, 16, run),
+                                  use_cache=True, output_hidden_states=True,
+                                  eagle_fsd_forward=ForwardState(run.backend, fp64=run.fp64_attention))
     want = torch.cat([out.hidden_states[i][0] for i in layers], -1)
     if quantized:  # its norms are summed in another order: close, not the same bits
         assert torch.allclose(last, out.last_hidden_state[0], rtol=5e-2, atol=5e-2)
@@ -307,60 +319,77 @@ def test_fused_features_are_the_hidden_states_entering_the_layers(quantized):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_drafter_forward_matches_transformers_branch_by_branch(kind, quantized):
     model = tiny_model(kind, seed=7)
-    if quantized:  # the drafter as the engine runs it beside a quantized target
-        quantize_target(model, exact=False, four_bit=True, requantize=True)
+    fmt = ROWS_DRAFTER if quantized else WeightFormat()  # the drafter as the engine runs it beside a quantized target
+    format_weights(model, fmt)
+    run = model_run(model, fmt, "auto", exact=False, decoder=True)  # the loader's plan for a drafter
+    assert run.fused and not run.exact and run.rows_attend and not run.fp64_attention
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (6,), generator=g)
     blocks = tree_blocks(g, 6)
-    ours, theirs = forwards(model, drafter_forward, prompt, blocks), forwards(model, transformers_forward,
-                                                                              prompt, blocks)
+    ours, theirs = (forwards(model, fused_decoder_forward, prompt, blocks, run),
+                    forwards(model, transformers_forward, prompt, blocks, run))
     tolerance = 5e-2 if quantized else 1e-4  # 8-bit activations turn last-bit differences into rounding steps
     for mine, reference in zip(ours, theirs):
         assert torch.allclose(mine, reference, rtol=tolerance, atol=tolerance)
     # branch 0-1-3-4 of the tree as a chain: what the tree gives those nodes
     tokens = blocks[0][0][[0, 1, 3, 4]]
-    chain = forwards(model, drafter_forward, prompt, [(tokens, torch.ones(4, 4, dtype=torch.bool).tril(),
-                                                       torch.arange(6, 10))])[1]
+    chain = forwards(model, fused_decoder_forward, prompt, [(tokens, torch.ones(4, 4, dtype=torch.bool).tril(),
+                                                             torch.arange(6, 10))], run)[1]
     assert torch.allclose(chain, ours[1][[0, 1, 3, 4]], rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_models_keep_the_transformers_forward():
-    assert not runs_fused(tiny_model("llama", hidden_act="gelu"))
-    assert not runs_fused(tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0))
-    assert not runs_fused(tiny_model("llama").to(torch.bfloat16))
+    for model in (tiny_model("llama", hidden_act="gelu"),
+                  tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0),
+                  tiny_model("llama").to(torch.bfloat16)):
+        assert not fused_fits(model) and not target_run(model).fused
 
 
 def test_the_lm_drafter_runs_the_fused_forward_with_its_own_norms(monkeypatch):
-    import eagle_fsd.drafters as drafters
+    import eagle_fsd.hf as hf
 
     model = tiny_model("llama", seed=3)
     drafter = LMDrafter(model, 1000)
+    drafter.run = plan_for(model, drafter).drafter  # the loader's plan for it (EaFsdModel sets it so)
+    assert drafter.run.fused and not drafter.run.exact
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(kwargs.get("exact"))
+        run = args[5] if len(args) > 5 else kwargs["run"]
+        calls.append(run.exact)
         return fused_decoder_forward(*args, **kwargs)
 
-    monkeypatch.setattr(drafters, "fused_decoder_forward", counted)
-    drafter.cache = TreeCache.for_model(model, 128)
+    monkeypatch.setattr(hf, "fused_decoder_forward", counted)
+    drafter.cache = TreeCache.for_model(model, 128, drafter.run)
     with torch.no_grad():
         hidden, _ = drafter._hidden(torch.tensor([5, 6]), None, causal_mask(0, 2, "cpu"), torch.arange(2))
     assert calls == [False] and hidden.shape == (2, 64)
 
 
-def test_layer_plans_call_shared_products_once_and_follow_the_unpacked_switch():
-    from eagle_fsd.fused_decoder import layer_plan
-    from eagle_fsd.prepack import unpacked
+def swap_linears_of(layer, modules):
+    """Sets the layer's q, k, v, gate, up, o, down modules (eagle_fsd.fused_decoder.linears order) to `modules`."""
+    attention, mlp = layer.self_attn, layer.mlp
+    for (parent, name), module in zip(((attention, "q_proj"), (attention, "k_proj"), (attention, "v_proj"),
+                                       (mlp, "gate_proj"), (mlp, "up_proj"), (attention, "o_proj"),
+                                       (mlp, "down_proj")), modules):
+        setattr(parent, name, module)
+
+
+def test_layer_plans_call_shared_products_once_and_follow_module_swaps():
+    from eagle_fsd.fused_decoder import layer_plan, linears
 
     model = tiny_model("qwen2", seed=7)
-    quantize_target(model, four_bit=True, requantize=True)
     layer = model.get_decoder().layers[0]
+    floats = linears(layer)  # the float weights as loaded
+    format_weights(model, ROWS_TARGET)
+    quantized = linears(layer)
     plan = layer_plan(layer)
     assert plan.qkv is layer.self_attn.q_proj.product.product and plan.gate_up is layer.mlp.up_proj.product.product
     assert plan.o is layer.self_attn.o_proj.product
-    with unpacked(model):  # the float weights through F.linear: every layer called as a module
-        plan = layer_plan(layer)
-        assert plan.qkv is None and plan.gate_up is None and plan.o is layer.self_attn.o_proj
+    swap_linears_of(layer, floats)  # the float layers through F.linear: every layer called as a module
+    plan = layer_plan(layer)
+    assert plan.qkv is None and plan.gate_up is None and plan.o is layer.self_attn.o_proj
+    swap_linears_of(layer, quantized)
     assert layer_plan(layer).o is layer.self_attn.o_proj.product
 
 
@@ -376,21 +405,21 @@ def gguf_like(model):
                 m.weight.copy_(dequantize_int4(*quantize_int4(m.weight)).float())
 
 
-def steps_on_a_prompt(model, exact):
+def steps_on_a_prompt(model, run):
     """Hidden states and the first layer's cache after: a 5-node tree (scratch), then two plain steps in a row."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (6,), generator=g)
     tree_block, _ = tree_blocks(g, 6)
-    cache = TreeCache.for_model(model, 64)
+    cache = TreeCache.for_model(model, 64, run)
     outs = []
     with torch.no_grad():
-        fused_decoder_forward(model, prompt, cache, causal_mask(0, 6, "cpu"), torch.arange(6), exact=exact)
+        fused_decoder_forward(model, prompt, cache, causal_mask(0, 6, "cpu"), torch.arange(6), run)
         tokens, tree, positions = tree_block
-        outs.append(fused_decoder_forward(model, tokens, cache, prefix_tree_mask(6, tree), positions, exact=exact))
+        outs.append(fused_decoder_forward(model, tokens, cache, prefix_tree_mask(6, tree), positions, run))
         cache.crop(6)
         for step in range(2):  # the second step attends to the first: the cache's length moved on
             outs.append(fused_decoder_forward(model, tokens[step:step + 1], cache, causal_mask(6 + step, 1, "cpu"),
-                                              torch.tensor([6 + step]), exact=exact))
+                                              torch.tensor([6 + step]), run))
         storage = cache.layers[0]
         outs += [storage.keys[:, :, :storage.length].clone(), storage.values[:, :, :storage.length].clone()]
     return outs
@@ -418,7 +447,10 @@ def test_one_call_forward_equals_layer_by_layer_to_the_bit(kind, mix, monkeypatc
     if mix == "gguf":
         gguf_like(model)
     exact = mix != "drafter"
-    quantize_target(model, exact=exact, four_bit=True, requantize=mix != "gguf")
+    fmt = WeightFormat("rows", exact=exact, four_bit=True, requantize=mix != "gguf")
+    format_weights(model, fmt)
+    run = model_run(model, fmt, "auto", exact=exact, decoder=True)
+    assert run.fused and run.rows_attend
     one_call = rows_plan(model.get_decoder()).calls is not None
     assert one_call == (mix != "gguf" or int8_rows_available())
     calls = []
@@ -428,10 +460,10 @@ def test_one_call_forward_equals_layer_by_layer_to_the_bit(kind, mix, monkeypatc
         return glue.rows_forward(*args)
 
     monkeypatch.setattr(fused, "rows_forward", counted)
-    ours = steps_on_a_prompt(model, exact)
+    ours = steps_on_a_prompt(model, run)
     assert calls == ([5, 1, 1] if one_call else [])  # the prompt goes to SDPA
     with layer_by_layer():
-        reference = steps_on_a_prompt(model, exact)
+        reference = steps_on_a_prompt(model, run)
     assert len(calls) == (3 if one_call else 0)
     for mine, theirs in zip(ours, reference):
         assert torch.equal(mine, theirs)
@@ -445,18 +477,19 @@ def test_one_call_forward_falls_back_and_checks_the_cache():
     from eagle_fsd.kernels.int4_rows import int4_rows_available
 
     model = tiny_model("qwen2", seed=7)
-    quantize_target(model, exact=False)  # int8, one rounding scale per call: FBGEMM
+    format_weights(model, WeightFormat("rows", exact=False))  # int8, one rounding scale per call: FBGEMM
     assert rows_plan(model.get_decoder()).calls is None
     if not int4_rows_available():
         return
     model = tiny_model("qwen2", seed=7)
-    quantize_target(model, four_bit=True, requantize=True)
+    format_weights(model, ROWS_TARGET)
     assert rows_plan(model.get_decoder()).calls is not None
-    cache = TreeCache.for_model(model, 8)
+    run = target_run(model, ROWS_TARGET)
+    cache = TreeCache.for_model(model, 8, run)
     with torch.no_grad():
-        fused_decoder_forward(model, torch.arange(6), cache, causal_mask(0, 6, "cpu"), torch.arange(6))
+        fused_decoder_forward(model, torch.arange(6), cache, causal_mask(0, 6, "cpu"), torch.arange(6), run)
         with pytest.raises(RuntimeError, match="KV cache overflow: 9 tokens > preallocated 8"):
-            fused_decoder_forward(model, torch.arange(3), cache, causal_mask(6, 3, "cpu"), torch.arange(6, 9))
+            fused_decoder_forward(model, torch.arange(3), cache, causal_mask(6, 3, "cpu"), torch.arange(6, 9), run)
 
 
 def test_products_are_placed_only_where_their_columns_fall_in_module_order():
@@ -466,7 +499,7 @@ def test_products_are_placed_only_where_their_columns_fall_in_module_order():
     if not int4_rows_available():
         pytest.skip("places own kernel products only; this CPU has no int4 build")
     model = tiny_model("qwen2", seed=7)
-    quantize_target(model, four_bit=True, requantize=True)
+    format_weights(model, ROWS_TARGET)
     attention = model.get_decoder().layers[0].self_attn
     q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
     assert placed_products([q, k, v]) == [(q.product.product, 0)]

@@ -127,7 +127,7 @@ def eagle2_tree(logits_of, total_token: int, depth: int, top_k: int, draft_vocab
 
 # ----------------------------------------------------------------------------- the engine, driven by the same drafter
 def engine_tree(seed, total_token, depth, top_k, draft_vocab):
-    """grow_pool + select_tree as `eagle_fsd.drafters.grow_tree` calls them. The fake draft forward carries each
+    """grow_pool + select_tree as `eagle_fsd.drafting.grow_tree` calls them. The fake draft forward carries each
     frontier node's root path as its state and checks the draft-side attention mask it is given against the paths."""
     width = VOCAB if draft_vocab is None else len(draft_vocab)
     forwards = []

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.eagle3 import (Eagle3Head, aux_hidden_indices, detect_layout, is_eagle3, load_eagle3_head,
+from eagle_fsd.drafting.eagle3 import (Eagle3Head, aux_hidden_indices, detect_layout, is_eagle3, load_eagle3_head,
                               read_format)
 from eagle_fsd.eagle3_export import export_config, save_eagle3_head
 from eagle_fsd.hf import causal_mask
@@ -423,8 +423,8 @@ def test_matches_specforge_head(tmp_path, target):
 
 # ----------------------------------------------------------------------------- drafter sketch
 def test_drafter_grows_a_tree_over_the_draft_vocabulary(tmp_path, target):
-    from eagle_fsd.drafters import grow_tree
-    from eagle_fsd.eagle3 import Eagle3Drafter, aux_features
+    from eagle_fsd.drafting import grow_tree
+    from eagle_fsd.drafting.eagle3 import Eagle3Drafter, aux_features
 
     head, indices = load_eagle3_head(str(save_dir(tmp_path, random_head(seed=10), "eagle", target)), target)
     prompt = torch.tensor([5, 17, 99, 3, 250, 41])

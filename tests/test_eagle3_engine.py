@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle_fsd import presets
-from eagle_fsd.eagle3 import Eagle3Drafter
+from eagle_fsd.drafting.eagle3 import Eagle3Drafter
 from eagle_fsd.eagle3_export import save_eagle3_head
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.model import EaFsdModel

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import eagle_fsd.attention  # noqa: F401  (registers the "eagle_fsd" attention function)
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import EagleDrafter, EagleHead, head_config, load_eagle_head
+from eagle_fsd.drafting import EagleDrafter, EagleHead, head_config, load_eagle_head
 from eagle_fsd.hf import causal_mask, prefix_tree_mask
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tree.dynamic import next_level_mask

@@ -2,8 +2,10 @@
 import pytest
 import torch
 
-from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter
+from eagle_fsd.drafting import EagleDrafter, EagleHead, LMDrafter
+from eagle_fsd.loading import plan_for
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.tree.shape import TreeShape
 from tiny import hf_greedy, tiny_config, tiny_model
 
 SHAPES = [(60, 5, 10), (12, 1, 4), (8, 5, 1), (2, 1, 1), (30, 3, 3)]  # (total_token, depth, top_k)
@@ -146,8 +148,8 @@ def test_greedy_with_triton_tree_attention(kind, monkeypatch):
     monkeypatch.setattr(eagle_fsd.kernels, "tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     target = tiny_model(kind, seed=1)
     drafter = tiny_model(kind, seed=1)  # an exact copy drafting for the target: long accepted paths
-    model = EaFsdModel(target, None, LMDrafter(drafter, 1000, attention="triton"), total_token=12, depth=3, top_k=3,
-                       attention="triton")
+    drafter = LMDrafter(drafter, 1000)
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(12, 3, 3), backend="triton"))
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=12, eos_token_id=[], return_dict=True)
     assert len(calls) >= 2 * 2 * out.verify_steps  # at least every verification layer of the target and drafter
@@ -159,13 +161,13 @@ def test_greedy_with_triton_tree_attention(kind, monkeypatch):
 def test_a_shape_passed_to_generate_runs_as_given_and_leaves_the_model_alone(monkeypatch):
     """generate(shape=...) drafts trees of that shape (at most total_token nodes, branching children at the root)
     without the speed guard; the model keeps its own shape and tuning, and greedy output is still the target's."""
-    from eagle_fsd import drafters, model as model_module
+    from eagle_fsd.drafting import base
     from eagle_fsd.tree.shape import TreeShape
 
     target, model = self_drafting_model()
     trees = []
-    grow = drafters.grow_tree
-    monkeypatch.setattr(model_module, "grow_tree", lambda *a: trees.append((a[-1], grow(*a))) or trees[-1][1])
+    grow = base.grow_tree
+    monkeypatch.setattr(base, "grow_tree", lambda *a: trees.append((a[-1], grow(*a))) or trees[-1][1])
     monkeypatch.setattr(model, "_speed_guard", lambda rule=None: pytest.fail("an explicit shape runs without the guard"))
     ids = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(3))
     out = model.generate(ids, max_new_tokens=20, eos_token_id=[], return_dict=True, shape=TreeShape(5, 2, 3))
@@ -216,7 +218,7 @@ def test_drafters_share_the_step_contract(drafter_kind):
 def test_kept_level_entries_equal_reading_the_chain_again():
     """Branch by branch: an LM drafter that commits a path's forwarded nodes from its tree scratch (keep_levels) and
     reads only the rest holds the same cache and gives the same next logits as one that reads the whole chain."""
-    from eagle_fsd.drafters import grow_tree
+    from eagle_fsd.drafting import grow_tree
     from eagle_fsd.tree.dynamic import retrieve_indices
     from eagle_fsd.tree.shape import TreeShape
 
@@ -258,7 +260,7 @@ def test_an_lm_drafter_reads_only_what_its_levels_did_not():
     from eagle_fsd.tree.shape import TreeShape
 
     target = tiny_model("llama", seed=1)
-    model = EaFsdModel(target, None, LMDrafter(target, 1000), shape=TreeShape(4, 2, 1))
+    model = EaFsdModel(target, None, LMDrafter(target, 1000), 4, 2, 1)
     reads = []
     extend = model.drafter.extend
     model.drafter.extend = lambda tokens, hidden=None: reads.append(tokens.numel()) or extend(tokens, hidden)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.divergence import align_vocab, divergence
 from eagle_fsd.fsd import FsdConfig, fuzzy_choices, node_divergences
 from eagle_fsd.model import EaFsdModel

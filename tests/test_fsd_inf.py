@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.fsd import FsdConfig, fuzzy_choices
 from eagle_fsd.tree.accept import accept

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle_fsd import presets
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.eval import gsm8k, humaneval, mtbench, speed, sweep
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tree.shape import TreeShape

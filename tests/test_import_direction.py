@@ -3,7 +3,8 @@
     kernels < tree < fsd < weights < drafting < tune < loading < engine < apps < entry
 
 weights: how linear weights are stored and multiplied, for target and drafter alike (dtype names, oneDNN prepacking,
-int4 / int8); drafting: the forward machinery (attention, cache, hf) and the drafters; tune: the cost model, which
+int4 / int8, the run plan and the one weight-format step); drafting: the forward machinery (attention, cache, hf) and
+the proposers (eagle_fsd.drafting); tune: the cost model, which
 drives a model it is given; loading: names and options to a ready model (presets, settings, the loader); engine: the
 generation loop, which calls the loader it is built by (EaFsdModel.from_pretrained). Apps are siblings: chat, train
 and eval (one group; eval modules may import each other) never import each other.
@@ -29,13 +30,14 @@ LAYER_OF = {
     "eagle_fsd.prepack": "weights",
     "eagle_fsd.quant": "weights",
     "eagle_fsd.target_quant": "weights",
+    "eagle_fsd.plan": "weights",  # the run plan: how a model runs, decided once
+    "eagle_fsd.weights": "weights",  # the one weight-format step
     "eagle_fsd.attention": "drafting",
     "eagle_fsd.cache": "drafting",
     "eagle_fsd.hf": "drafting",
     "eagle_fsd.fused_decoder": "drafting",
-    "eagle_fsd.drafters": "drafting",
+    "eagle_fsd.drafting": "drafting",
     "eagle_fsd.vocab": "drafting",
-    "eagle_fsd.eagle3": "drafting",
     "eagle_fsd.eagle3_export": "drafting",
     "eagle_fsd.files": "drafting",  # cache_dir, sha256_file, package_file
     "eagle_fsd.tune": "tune",
@@ -46,8 +48,9 @@ LAYER_OF = {
     "eagle_fsd": "engine",
     "eagle_fsd.model": "engine",
     "eagle_fsd.guard": "engine",
+    "eagle_fsd.steps": "engine",
     "eagle_fsd.prompts": "engine",
-    "eagle_fsd.tune.cli": "apps",  # `eagle-fsd tune`: loads a model; its --mtbench analysis reads the MT-Bench questions
+    "eagle_fsd.tune_cli": "apps",  # `eagle-fsd tune`: loads a model; its --mtbench analysis reads the MT-Bench questions
     "eagle_fsd.chat": "apps",
     "eagle_fsd.train": "apps",
     "eagle_fsd.eval": "apps",
@@ -135,13 +138,15 @@ def test_imports_go_down_the_layers():
     ("eagle_fsd.settings", "eagle_fsd.model", False),
     ("eagle_fsd.tune.measure", "eagle_fsd.model", False),
     ("eagle_fsd.tune.store", "eagle_fsd.presets", False),
-    ("eagle_fsd.drafters", "eagle_fsd.tune", False),
-    ("eagle_fsd.drafters", "eagle_fsd.prepack", True),
-    ("eagle_fsd.prepack", "eagle_fsd.drafters", False),
+    ("eagle_fsd.drafting.lm", "eagle_fsd.tune", False),
+    ("eagle_fsd.drafting.base", "eagle_fsd.prepack", True),
+    ("eagle_fsd.prepack", "eagle_fsd.drafting", False),
+    ("eagle_fsd.cache", "eagle_fsd.plan", True),
+    ("eagle_fsd.plan", "eagle_fsd.cache", False),
     ("eagle_fsd.model", "eagle_fsd.loading", True),
     ("eagle_fsd.loading", "eagle_fsd.model", False),
     ("eagle_fsd.loading", "eagle_fsd.tune", True),
-    ("eagle_fsd.tune.cli", "eagle_fsd.model", True),
+    ("eagle_fsd.tune_cli", "eagle_fsd.model", True),
 ])
 def test_the_rule_itself(importer, imported, allowed):
     assert (violation(importer, imported) is None) == allowed
@@ -153,3 +158,93 @@ def test_imports_are_resolved(tmp_path):
                       "    from eagle_fsd.eval import data\n    import torch\n")
     known = {"eagle_fsd.tree.dynamic", "eagle_fsd.kernels", "eagle_fsd.eval.data"}
     assert imported_modules("eagle_fsd.tree.accept", source, known) == known
+
+
+# ----------------------------------------------------------------------------- structure
+PACKAGE_DIRS = ("eagle_fsd", "tree", "kernels")
+PROBES = ("is_prepacked", "is_target_quantized", "quant_bits", "runs_fused", "FP64_ATTENTION", "use_packed",
+          "use_quant", "switched_off")  # how a model runs is read from its run plan (eagle_fsd.plan), never probed
+MAX_ATTRIBUTE_PROBES = 20
+MAX_PARAMETERS = 8
+WIDE_BY_CONTRACT = {"from_pretrained", "generate", "eagle_fsd_attention"}  # public kwargs; HF's attention interface
+MAX_LOOP_LINES = 30
+
+
+def package_trees():
+    for folder in PACKAGE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield path, ast.parse(path.read_text(), str(path))
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (module -> modules it imports) as a list of modules, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for child in sorted(graph.get(node, ())):
+            if state.get(child) == "open":
+                return stack[stack.index(child):] + [child]
+            if child not in state and (found := visit(child)):
+                return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def parameter_count(function: ast.FunctionDef) -> int:
+    args = function.args
+    names = [a.arg for a in args.posonlyargs + args.args]
+    count = len(names) + len(args.kwonlyargs) + (args.vararg is not None) + (args.kwarg is not None)
+    return count - (bool(names) and names[0] in ("self", "cls"))
+
+
+def test_no_import_cycle():
+    """Function-level imports included: a lazy import still ties two modules together. A package's __init__ is left
+    out as an importer (it re-exports its own modules) but not as a module imported."""
+    modules = our_modules()
+    graph = {module: {m for m in imported_modules(module, path, set(modules)) if m in modules and m != module}
+             for module, path in modules.items() if path.name != "__init__.py"}
+    assert import_cycle(graph) is None, " -> ".join(import_cycle(graph))
+
+
+def test_import_cycle_is_found():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_probes_of_how_a_model_runs():
+    found = [f"{path.relative_to(ROOT)}: {name}" for path, _ in package_trees() for name in PROBES
+             if name in path.read_text()]
+    assert not found, found
+
+
+def test_few_attribute_probes():
+    calls = [f"{path.relative_to(ROOT)}:{node.lineno}" for path, tree in package_trees() for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")]
+    assert len(calls) <= MAX_ATTRIBUTE_PROBES, calls
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    wide = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({parameter_count(node)})"
+            for path, tree in package_trees() if path.is_relative_to(ROOT / "eagle_fsd") for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in WIDE_BY_CONTRACT
+            and parameter_count(node) > MAX_PARAMETERS]
+    assert not wide, wide
+
+
+def test_parameter_count():
+    tree = ast.parse("def f(self, a, b=1, *args, c, **kw): pass\ndef g(a, /, b): pass")
+    assert [parameter_count(f) for f in tree.body] == [5, 2]
+
+
+def test_the_loop_is_short():
+    tree = ast.parse((ROOT / "eagle_fsd" / "model.py").read_text())
+    loop = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "_generate")
+    assert loop.end_lineno - loop.lineno + 1 <= MAX_LOOP_LINES

@@ -7,15 +7,27 @@ import pytest
 import torch
 from torch import nn
 
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.kernels import int4_rows as k4
+from eagle_fsd.loading import model_run, plan_for
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.plan import WeightFormat
 from eagle_fsd.target_quant import (Int4Product, Int8Product, RowQuantLinear, SharedInputProduct, int4_share,
-                                    own_product, quantize_target, weights_label)
+                                    own_product)
+from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.weights import format_weights
 from tiny import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not k4.int4_rows_available(), reason="needs AVX-512 VNNI or AVX2 and a C++ compiler")
 ISAS = k4.runnable_isas(k4.cpu_flags(), "")  # every build this CPU runs, uncapped
+
+
+FOUR_BIT = WeightFormat("rows", four_bit=True)  # a target whose 4-bit layers run int4 x int8, the others int8 x int8
+
+
+def weights_label(model, fmt: WeightFormat) -> str:
+    """How the loader's plan describes a target's linear layers in `fmt` (eagle_fsd.plan.ModelRun.label)."""
+    return model_run(model, fmt, "auto", exact=True, decoder=True).label()
 
 
 def four_bit(weight: torch.Tensor) -> torch.Tensor:
@@ -92,14 +104,14 @@ def test_pack_puts_each_code_where_the_kernel_reads_it():
         assert torch.equal(y, want), (channel, column)
 
 
-def test_quantize_target_runs_four_bit_layers_in_int4_and_the_rest_in_int8():
+def test_four_bit_rows_run_four_bit_layers_in_int4_and_the_rest_in_int8():
     model = tiny_model("qwen2", seed=3)
     attention = model.model.layers[0].self_attn
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and not name.endswith("v_proj"):
                 module.weight.copy_(four_bit(module.weight))
-    quantize_target(model, four_bit=True)
+    format_weights(model, FOUR_BIT)
     products = {name: m.product for name, m in model.named_modules() if isinstance(m, RowQuantLinear)}
     inner = {name: getattr(p, "product", p) for name, p in products.items()}
     assert all(isinstance(p, Int8Product) for name, p in inner.items() if name.endswith("v_proj"))
@@ -107,10 +119,10 @@ def test_quantize_target_runs_four_bit_layers_in_int4_and_the_rest_in_int8():
                and not name.endswith("lm_head"))  # a tied lm_head is the embedding: not rounded, int8
     assert attention.q_proj.product is attention.k_proj.product and attention.v_proj.product is not attention.q_proj.product
     assert isinstance(attention.q_proj.product, SharedInputProduct)
-    assert 0 < int4_share(model) < 1 and weights_label(model).startswith("int4 x int8")
+    assert 0 < int4_share(model) < 1 and weights_label(model, FOUR_BIT).startswith("int4 x int8")
     plain = tiny_model("qwen2", seed=3)
-    quantize_target(plain)  # four_bit off: all int8
-    assert int4_share(plain) == 0 and weights_label(plain) == "int8 x int8"
+    format_weights(plain, WeightFormat("rows"))  # four_bit off: all int8
+    assert int4_share(plain) == 0 and weights_label(plain, WeightFormat("rows")) == "int8 x int8"
 
 
 def test_a_cpu_without_vnni_runs_int4_beside_7_bit_int8_layers():
@@ -120,7 +132,7 @@ def test_a_cpu_without_vnni_runs_int4_beside_7_bit_int8_layers():
         for module in model.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(four_bit(module.weight))
-    quantize_target(model, activation_bits=7, four_bit=True)
+    format_weights(model, WeightFormat("rows", activation_bits=7, four_bit=True))
     inner = [own_product(m.product) for m in model.modules() if isinstance(m, RowQuantLinear)]
     assert any(isinstance(p, Int4Product) for p in inner)
     assert all(p.activation_bits == 7 for p in inner if isinstance(p, Int8Product))
@@ -137,10 +149,11 @@ def test_engine_is_lossless_against_a_four_bit_target(shape):
                 module.weight.copy_(four_bit(module.weight))
         for p in draft.parameters():
             p.add_(0.003 * torch.randn_like(p))
-    quantize_target(target, four_bit=True)
+    format_weights(target, FOUR_BIT)
     assert int4_share(target) > 0.5
     ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
-    model = EaFsdModel(target, None, LMDrafter(draft, 1000), *shape)
+    drafter = LMDrafter(draft, 1000)
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(*shape), (FOUR_BIT, None)))
     out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
     plain = hf_greedy(target, ids, 30)
     assert torch.equal(out.sequences, plain)
@@ -152,7 +165,7 @@ def test_requantize_rounds_every_layer_to_int4():
     """A drafter's layers (requantize): 4-bit already or not, every layer runs int4, within rounding of the float
     layer; without requantize, weights that are not 4-bit stay int8."""
     model, reference = tiny_model("qwen2", seed=4), tiny_model("qwen2", seed=4)
-    quantize_target(model, exact=False, four_bit=True, requantize=True)
+    format_weights(model, WeightFormat("rows", exact=False, four_bit=True, requantize=True))
     inner = [getattr(m.product, "product", m.product) for m in model.modules() if isinstance(m, RowQuantLinear)]
     assert inner and all(isinstance(p, Int4Product) for p in inner) and int4_share(model) == 1.0
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(4))
@@ -160,23 +173,24 @@ def test_requantize_rounds_every_layer_to_int4():
         got, want = model(ids).logits, reference(ids).logits.float()
     assert (got - want).abs().max() < 0.2 * want.abs().max()  # 4-bit weights: close, not equal
     unrounded = tiny_model("qwen2", seed=4)
-    quantize_target(unrounded, exact=False, four_bit=True)
+    format_weights(unrounded, WeightFormat("rows", exact=False, four_bit=True))
     assert int4_share(unrounded) == 0.0
 
 
 def test_an_int4_target_gets_an_all_int4_drafter_and_draft_vocabulary():
-    """prepare_weights: a drafter beside an int4 target runs every layer int4, its draft-vocabulary head too, and that
+    """format_drafter: a drafter beside an int4 target runs every layer int4, its draft-vocabulary head too, and that
     head's logits are the full head's at those ids, to the bit."""
-    from eagle_fsd.loading import prepare_weights
+    from eagle_fsd.loading import LoadOptions, format_drafter
 
     target, draft = tiny_model("qwen2", seed=5), tiny_model("qwen2", seed=6)
     with torch.no_grad():
         for module in target.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(four_bit(module.weight))
-    quantize_target(target, four_bit=True)
+    format_weights(target, FOUR_BIT)
     drafter = LMDrafter(draft, 1000)
-    prepare_weights(target, drafter, "off", "auto")
+    fmt = format_drafter(drafter, FOUR_BIT, LoadOptions(prepack="off", draft_quant="auto"), target)
+    assert fmt == WeightFormat("rows", four_bit=True, requantize=True, exact=False)
     assert int4_share(draft) == 1.0
     hidden = torch.randn(3, draft.config.hidden_size, generator=torch.Generator().manual_seed(5))
     full = drafter.draft_head(hidden)

@@ -4,16 +4,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
+from eagle_fsd.loading import plan_for
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.prepack import PackedLinear, is_prepacked, prepack_linears, prepack_supported, unpacked
+from eagle_fsd.prepack import PackedLinear, prepack_supported
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.tune import resolve_prepack
+from eagle_fsd.weights import PREPACKED, format_weights
 from tiny import hf_greedy, tiny_model
 
 BF16 = prepack_supported(torch.bfloat16, "cpu")
 FP32 = prepack_supported(torch.float32, "cpu")
 needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN has no bf16 support on this CPU (no AVX-512 BF16 / AMX)")
+
+
+def is_prepacked(model) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
@@ -40,24 +47,27 @@ def test_prepack_swaps_every_linear_and_keeps_the_weights():
     model = tiny_model("qwen2", seed=2, tie_word_embeddings=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert prepack_linears(model) == linears and is_prepacked(model)
+    assert format_weights(model, PREPACKED) == linears and is_prepacked(model)
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == linears
     assert not any(type(m) is nn.Linear for m in model.modules())
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
 
 
-def test_prepacked_logits_and_unpacked_block():
+def test_prepacked_logits_and_the_shared_float_weights(monkeypatch):
     plain = tiny_model("llama", seed=4)
     packed = tiny_model("llama", seed=4)
-    prepack_linears(packed)
+    format_weights(packed, PREPACKED)
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = plain(ids).logits
-        assert torch.allclose(packed(ids).logits, want, atol=1e-4)
-        with unpacked(packed):
+        got = packed(ids).logits
+        assert torch.allclose(got, want, atol=1e-4)
+        with monkeypatch.context() as patch:  # each packed layer as F.linear on the weight it shares
+            patch.setattr(PackedLinear, "forward", lambda layer, x: F.linear(x, layer.weight, layer.bias))
             assert torch.equal(packed(ids).logits, want)  # the plain kernel again, bit for bit
-    assert all(m.use_packed for m in packed.modules() if isinstance(m, PackedLinear))
+        assert torch.equal(packed(ids).logits, got)  # the packed kernel again
 
 
 @pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])
@@ -68,11 +78,12 @@ def test_prepacked_engine_is_lossless(shape):
         for p in draft.parameters():
             p.add_(0.003 * torch.randn_like(p))
     ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
-    prepack_linears(target), prepack_linears(draft)
+    format_weights(target, PREPACKED), format_weights(draft, PREPACKED)
     drafter = LMDrafter(draft, 1000)
     drafter.draft_head.set_draft_vocab(torch.arange(0, 1000, 2))  # the packed reduced-vocabulary lm_head too
     assert drafter.draft_head.packed is not None
-    model = EaFsdModel(target, None, drafter, *shape)
+    plan = plan_for(target, drafter, TreeShape(*shape), (PREPACKED, PREPACKED))
+    model = EaFsdModel(target, None, drafter, plan=plan)
     out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
     assert torch.equal(out.sequences, hf_greedy(target, ids, 30))
     assert out.tau > 1.2
@@ -104,6 +115,8 @@ def test_from_pretrained_prepacks_target_and_drafter():
     plain = EaFsdModel.from_pretrained("smollm2-135m-instruct", prepack=False, **load)
     assert is_prepacked(model.base_model) and is_prepacked(model.drafter.module)
     assert not is_prepacked(plain.base_model) and not is_prepacked(plain.drafter.module)
+    assert model.plan.target.weights == PREPACKED and model.plan.drafter.weights == PREPACKED
+    assert plain.plan.target.weights.kind == "float" and plain.plan.drafter.weights.kind == "float"
     ids = model.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         a, b = model.base_model(ids).logits.float(), plain.base_model(ids).logits.float()

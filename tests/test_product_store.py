@@ -1,6 +1,7 @@
 """Quantized products kept on disk (eagle_fsd.product_store): a product read back is bit for bit the one built, a
 second load builds nothing, and the file is keyed by the weights and the settings."""
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,17 +9,18 @@ from transformers import AutoModelForCausalLM
 
 from eagle_fsd.kernels.int4_rows import int4_rows_available
 from eagle_fsd.kernels.int8_rows import int8_rows_available
-from eagle_fsd.product_store import ProductStore, products_path, quantize_cached
+from eagle_fsd.plan import WeightFormat
+from eagle_fsd.product_store import ProductStore, format_cached, products_path
 from eagle_fsd import target_quant
-from eagle_fsd.target_quant import (Int4Product, Int8Product, RowQuantLinear, own_product, product_from_state,
-                                    quantize_target)
+from eagle_fsd.target_quant import Int4Product, Int8Product, RowQuantLinear, own_product, product_from_state
+from eagle_fsd.weights import format_weights
 from test_int4_rows import four_bit
 from tiny import tiny_model
 
 SETTINGS = {  # (exact, four_bit, requantize): a target's products, a drafter's int8 (FBGEMM, one scale a call),
-    "target": dict(exact=True, four_bit=True, requantize=False),  # a drafter's all-int4
-    "drafter-int8": dict(exact=False, four_bit=False, requantize=False),
-    "drafter-int4": dict(exact=False, four_bit=True, requantize=True),
+    "target": WeightFormat("rows", exact=True, four_bit=True, requantize=False),  # a drafter's all-int4
+    "drafter-int8": WeightFormat("rows", exact=False, four_bit=False, requantize=False),
+    "drafter-int4": WeightFormat("rows", exact=False, four_bit=True, requantize=True),
 }
 
 
@@ -63,10 +65,10 @@ def test_each_product_survives_its_state():
 @pytest.mark.parametrize("role", list(SETTINGS))
 def test_a_second_load_reads_every_product_and_decodes_the_same(tmp_path, monkeypatch, role):
     """...without rounding a weight or scanning one for 4-bit groups."""
-    settings = SETTINGS[role]
+    fmt = SETTINGS[role]
     first = saved_model(tmp_path / "model")
     store = ProductStore(tmp_path / "products.safetensors")
-    quantize_target(first, store=store, **settings)
+    format_weights(first, fmt, store)
     built = len(store.built)
     assert built and store.served == 0
     store.save()
@@ -74,7 +76,7 @@ def test_a_second_load_reads_every_product_and_decodes_the_same(tmp_path, monkey
     second = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eagle_fsd").eval()
     store = ProductStore(tmp_path / "products.safetensors")
     monkeypatch.setattr(target_quant, "fits_int4", lambda weight: pytest.fail("a weight scanned again"))
-    quantize_target(second, store=store, **settings)
+    format_weights(second, fmt, store)
     assert store.served == built and not store.built  # nothing rounded again
     assert torch.equal(logits(second), logits(first))
     before, after = products(first), products(second)
@@ -86,16 +88,16 @@ def test_a_second_load_reads_every_product_and_decodes_the_same(tmp_path, monkey
 
 
 def test_the_loader_keeps_products_in_the_cache(tmp_path, monkeypatch):
-    """quantize_cached writes the file once (a second load leaves it untouched) and decodes the same."""
+    """format_cached writes the file once (a second load leaves it untouched) and decodes the same."""
     monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path / "cache"))
-    settings = SETTINGS["target"]
+    fmt = SETTINGS["target"]
     first = saved_model(tmp_path / "model")
-    path = products_path(first, **settings)
+    path = products_path(first, fmt)
     assert path.parent == tmp_path / "cache" / "products"
-    quantize_cached(first, **settings)
+    format_cached(first, fmt)
     written = path.stat().st_mtime_ns
     second = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="eagle_fsd").eval()
-    quantize_cached(second, **settings)
+    format_cached(second, fmt)
     assert path.stat().st_mtime_ns == written
     assert torch.equal(logits(second), logits(first))
 
@@ -103,17 +105,17 @@ def test_the_loader_keeps_products_in_the_cache(tmp_path, monkeypatch):
 def test_the_file_is_keyed_by_weights_dtype_and_settings(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path / "cache"))
     model = saved_model(tmp_path / "model")
-    path = products_path(model, **SETTINGS["target"])
-    assert products_path(model, **SETTINGS["target"]) == path
-    assert products_path(model, **SETTINGS["drafter-int4"]) != path
-    assert products_path(model, activation_bits=7, **SETTINGS["target"]) != \
-        products_path(model, activation_bits=8, **SETTINGS["target"])
-    assert products_path(model.to(torch.bfloat16), **SETTINGS["target"]) != path
+    path = products_path(model, SETTINGS["target"])
+    assert products_path(model, SETTINGS["target"]) == path
+    assert products_path(model, SETTINGS["drafter-int4"]) != path
+    assert products_path(model, replace(SETTINGS["target"], activation_bits=7)) != \
+        products_path(model, replace(SETTINGS["target"], activation_bits=8))
+    assert products_path(model.to(torch.bfloat16), SETTINGS["target"]) != path
     model.float()
     weights = tmp_path / "model" / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # the weights rewritten
-    assert products_path(model, **SETTINGS["target"]) != path
-    assert products_path(tiny_model("qwen2"), **SETTINGS["target"]) is None  # no folder: nothing kept
+    assert products_path(model, SETTINGS["target"]) != path
+    assert products_path(tiny_model("qwen2"), SETTINGS["target"]) is None  # no folder: nothing kept
 
 
 def test_a_mismatched_or_damaged_store_is_rebuilt(tmp_path):
@@ -171,7 +173,7 @@ def test_a_target_to_quantize_loads_as_stored_and_decodes_as_if_converted_first(
     model = EaFsdModel.from_pretrained(str(folder), target_quant="int8").base_model
     converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                      attn_implementation="eagle_fsd").eval()
-    quantize_target(converted, cpu_activation_bits())
+    format_weights(converted, WeightFormat("rows", activation_bits=cpu_activation_bits()))
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16  # mapped as stored, read by no product
     assert model.model.norm.weight.dtype == torch.float32 and model.dtype == torch.float32
     assert torch.equal(logits(model), logits(converted))
@@ -183,16 +185,16 @@ def test_files_of_replaced_weights_are_dropped_and_no_others(tmp_path, monkeypat
     monkeypatch.setenv("EAGLE_FSD_CACHE", str(tmp_path / "cache"))
     first = saved_model(tmp_path / "a" / "model")
     namesake = saved_model(tmp_path / "b" / "model", seed=4)  # same folder name, other weights
-    quantize_cached(namesake, **SETTINGS["target"])
-    old_target = products_path(first, **SETTINGS["target"])
-    quantize_cached(first, **SETTINGS["target"])
+    format_cached(namesake, SETTINGS["target"])
+    old_target = products_path(first, SETTINGS["target"])
+    format_cached(first, SETTINGS["target"])
     weights = tmp_path / "a" / "model" / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # fetched again
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "model", attn_implementation="eagle_fsd").eval()
-    other_settings = products_path(again, **SETTINGS["drafter-int8"])
-    quantize_cached(again, **SETTINGS["drafter-int8"])
+    other_settings = products_path(again, SETTINGS["drafter-int8"])
+    format_cached(again, SETTINGS["drafter-int8"])
     assert other_settings.is_file() and not old_target.is_file()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "model", attn_implementation="eagle_fsd").eval()
-    quantize_cached(again, **SETTINGS["target"])
-    assert other_settings.is_file() and products_path(again, **SETTINGS["target"]).is_file()
-    assert products_path(namesake, **SETTINGS["target"]).is_file()
+    format_cached(again, SETTINGS["target"])
+    assert other_settings.is_file() and products_path(again, SETTINGS["target"]).is_file()
+    assert products_path(namesake, SETTINGS["target"]).is_file()

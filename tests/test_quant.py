@@ -5,19 +5,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.drafters import EagleDrafter, LMDrafter
+from eagle_fsd.drafting import EagleDrafter, LMDrafter
+from eagle_fsd.loading import plan_for
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.prepack import PackedLinear, prepack_linears, prepack_supported, unpacked
-from eagle_fsd.quant import (INT4_GROUP, MAX_QUANT_ROWS, QuantLinear, dequantize, int4_fits, original_weights,
-                             quant_bits, quant_supported, quantize_linears)
+from eagle_fsd.plan import WeightFormat
+from eagle_fsd.prepack import PackedLinear, packed_linear, prepack_supported
+from eagle_fsd.quant import INT4_GROUP, MAX_QUANT_ROWS, QuantLinear, dequantize, int4_fits, quant_supported
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.tune import resolve_draft_quant
+from eagle_fsd.weights import PREPACKED, format_weights
 from tiny import hf_greedy, tiny_model
 
 needs = {bits: pytest.mark.skipif(not quant_supported(bits), reason=f"this PyTorch has no CPU int{bits} kernel")
          for bits in (4, 8)}
 BITS = [pytest.param(4, marks=needs[4]), pytest.param(8, marks=needs[8])]
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+def quant_bits(model) -> set[int]:
+    """The bits of `model`'s QuantLinear layers (empty: none)."""
+    return {m.bits for m in model.modules() if isinstance(m, QuantLinear)}
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -54,9 +62,11 @@ def test_many_rows_use_the_original_weight(bits, packed):
     with torch.no_grad():
         assert torch.equal(layer(x), source(x))
         assert not torch.equal(layer(x[0]), source(x[0]))  # few rows: the rounded weight
-        with original_weights(layer):
-            assert torch.equal(layer(x[0]), source(x[0]))  # ... unless told to run the original
-        assert layer.use_quant
+        # ... while the layer keeps the original (shared weight, and its packed copy) bit for bit
+        assert layer.weight is source.weight and layer.bias is source.bias
+        bias = layer.bias.detach()
+        original = packed_linear(x[0], layer.packed, bias) if packed else F.linear(x[0], layer.weight, bias)
+        assert torch.equal(original, source(x[0]))
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -75,12 +85,13 @@ def test_rounding_stays_on_its_grid(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_quantize_linears_swaps_in_place_and_keeps_the_weights(bits):
+def test_int_formats_swap_in_place_and_keep_the_weights(bits):
     model = tiny_model("qwen2", vocab=1000, seed=2, tie_word_embeddings=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     fits = [m for m in linears if bits == 8 or int4_fits(m.out_features, m.in_features)]
-    assert quantize_linears(model, bits) == len(fits) and quant_bits(model) == bits
+    assert format_weights(model, WeightFormat(f"int{bits}")) == len(fits) and quant_bits(model) == {bits}
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(fits)
     if bits == 4:  # 1000 output rows are not a multiple of 16: the lm_head stays a plain linear
         assert type(model.lm_head) is nn.Linear
     after = model.state_dict()
@@ -89,15 +100,16 @@ def test_quantize_linears_swaps_in_place_and_keeps_the_weights(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_unpacked_block_runs_the_plain_weights(bits):
+def test_quantized_layers_keep_the_plain_weights(bits, monkeypatch):
     plain = tiny_model("llama", vocab=1024, seed=4)
     quantized = tiny_model("llama", vocab=1024, seed=4)
-    quantize_linears(quantized, bits)
+    format_weights(quantized, WeightFormat(f"int{bits}"))
     ids = torch.randint(0, 1024, (1, MAX_QUANT_ROWS), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = plain(ids).logits
         assert not torch.equal(quantized(ids).logits, want)
-        with unpacked(quantized):
+        with monkeypatch.context() as patch:  # each quantized layer as F.linear on the weight it shares
+            patch.setattr(QuantLinear, "forward", lambda layer, x: F.linear(x, layer.weight, layer.bias))
             assert torch.equal(quantized(ids).logits, want)
 
 
@@ -111,7 +123,8 @@ def test_quantized_drafter_is_lossless(bits, shape):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.003 * torch.randn_like(p))
-    quantize_linears(draft, bits)
+    fmt = WeightFormat(f"int{bits}")
+    format_weights(draft, fmt)
     drafter = LMDrafter(draft, 1024)
     ids_kept = torch.arange(0, 1024, 2)
     drafter.draft_head.set_draft_vocab(ids_kept)
@@ -120,10 +133,13 @@ def test_quantized_drafter_is_lossless(bits, shape):
     with torch.no_grad():  # the slice scores the kept ids as the quantized full head would
         full = F.linear(h.double(), dequantize(draft.lm_head).double())[:, ids_kept]
         assert torch.allclose(drafter.draft_head(h).double(), full, atol=1e-4 * full.abs().max().item())
-        with original_weights(draft):  # the slice follows the full head back to the original weights
-            assert torch.equal(drafter.draft_head(h), F.linear(h, draft.lm_head.weight[ids_kept]))
+        # many rows (a prefill): the slice runs the original weights' rows, as the full head runs its original weight
+        many = torch.randn(MAX_QUANT_ROWS + 2, 64, generator=torch.Generator().manual_seed(6))
+        assert torch.equal(drafter.draft_head.weight, draft.lm_head.weight[ids_kept])
+        assert torch.equal(drafter.draft_head(many), F.linear(many, draft.lm_head.weight[ids_kept]))
+        assert torch.equal(draft.lm_head(many), F.linear(many, draft.lm_head.weight))
     ids = torch.randint(0, 1024, (1, 10), generator=torch.Generator().manual_seed(3))
-    model = EaFsdModel(target, None, drafter, *shape)
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(*shape), (None, fmt)))
     out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
     assert torch.equal(out.sequences, hf_greedy(target, ids, 30))
     assert out.tau > 1.2  # the noisy, rounded drafter still drafts the target's tokens
@@ -151,10 +167,12 @@ def test_resolve_draft_quant_rules(monkeypatch):
                     reason="needs the int4 kernel and oneDNN bf16")
 def test_int4_replaces_a_prepacked_drafter():
     draft = tiny_model("llama", vocab=1024, seed=1).to(torch.bfloat16)
-    prepack_linears(draft)
-    assert tune_dtype.kernel_kind(draft) == "bf16-packed"
-    quantize_linears(draft, 4)
-    assert quant_bits(draft) == 4 and isinstance(draft.lm_head, QuantLinear)
+    format_weights(draft, PREPACKED)
+    assert all(type(m) is PackedLinear for m in draft.modules() if isinstance(m, nn.Linear))
+    assert tune_dtype.kernel_kind(draft, prepacked=True) == "bf16-packed"
+    format_weights(draft, WeightFormat("int4"))
+    assert quant_bits(draft) == {4} and isinstance(draft.lm_head, QuantLinear)
+    assert draft.lm_head.packed is not None  # many rows keep the packed kernel
 
 
 @pytest.mark.parametrize("current, int4, int4_ms, chosen", [

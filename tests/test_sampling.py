@@ -6,7 +6,7 @@ towards the drafter's (the likeliest way a broken acceptance rule would bias the
 import pytest
 import torch
 
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.sampling import logits_processor, processed_probs
 from eagle_fsd.tree.accept import accept

@@ -17,7 +17,7 @@ import torch
 
 import eagle_fsd.fsd
 from eagle_fsd.divergence import DIVERGENCES
-from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter
+from eagle_fsd.drafting import EagleDrafter, EagleHead, LMDrafter
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.model import EaFsdModel, SpeedGuard
 from eagle_fsd.sampling import logits_processor, processed_probs

@@ -8,9 +8,12 @@ from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_fun
 
 import eagle_fsd.attention as attention
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter
+from eagle_fsd.drafting import EagleDrafter, EagleHead, LMDrafter
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.loading import plan_for
 from eagle_fsd.model import EaFsdModel
+from eagle_fsd.plan import ModelRun
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tree.accept import top_child
 from eagle_fsd.tree.dynamic import ancestor_table, tree_mask_from_ancestors
 from tiny import SIZES, hf_greedy, tiny_config, tiny_model
@@ -170,8 +173,8 @@ def test_triton_backend_falls_back_to_sdpa_on_sliding_layers(kind, kernel_layers
 
     monkeypatch.setattr(attention, "sdpa", counting_sdpa)
     target = sliding_model(kind, 3)
-    model = EaFsdModel(target, None, LMDrafter(target, VOCAB, attention="triton"), total_token=8, depth=4, top_k=2,
-                       attention="triton")
+    drafter = LMDrafter(target, VOCAB)
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(8, 4, 2), backend="triton"))
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=12, eos_token_id=[], return_dict=True)
     sliding = {i for i, w in enumerate(attention.layer_windows(target.config)) if w is not None}
@@ -203,12 +206,12 @@ def test_one_forward_packs_its_tree_block_once(kind, packs, monkeypatch):
         else sliding_model(kind, 3)
     cache = TreeCache(LAYERS, 32)
     ids = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(2))
-    decoder_forward(model, ids, cache, causal_mask(0, 8, "cpu"), torch.arange(8), backend="sdpa")
+    decoder_forward(model, ids, cache, causal_mask(0, 8, "cpu"), torch.arange(8), ModelRun(backend="sdpa"))
     assert packed == []  # SDPA never packs
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     for forward in (1, 2):
         decoder_forward(model, ids[:3], cache, prefix_tree_mask(8, tree), 8 + torch.tensor([0, 1, 1]),
-                        backend="triton")
+                        ModelRun(backend="triton"))
         cache.crop(8)
         assert len(packed) == packs * forward
 

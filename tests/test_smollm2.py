@@ -7,9 +7,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle_fsd import presets
 from eagle_fsd.attention import ATTENTION_NAME
-from eagle_fsd.drafters import EagleDrafter, EagleHead, LMDrafter, head_config
+from eagle_fsd.drafting import EagleDrafter, EagleHead, LMDrafter, head_config
+from eagle_fsd.loading import plan_for
 from eagle_fsd.model import EaFsdModel, exactness
-from eagle_fsd.quant import MAX_QUANT_ROWS, quant_supported, quantize_linears
+from eagle_fsd.plan import WeightFormat
+from eagle_fsd.quant import MAX_QUANT_ROWS, quant_supported
+from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.weights import format_weights
 
 pytestmark = pytest.mark.slow
 
@@ -56,13 +60,15 @@ def test_int4_drafter_is_lossless_on_real_weights(smollm2):
     target, _, tok = smollm2
     draft = AutoModelForCausalLM.from_pretrained(presets.resolve_model("smollm2-135m-instruct"), dtype=torch.float32,
                                                  num_hidden_layers=4, attn_implementation=ATTENTION_NAME).eval()
-    assert quantize_linears(draft, 4) == 4 * 7 + 1  # every projection and the lm_head
+    assert format_weights(draft, WeightFormat("int4")) == 4 * 7 + 1  # every projection and the lm_head
     rounded_calls = []
     draft.model.layers[0].mlp.up_proj.register_forward_hook(
         lambda layer, args, out: rounded_calls.append(args[0].reshape(-1, layer.in_features).shape[0]
                                                       <= MAX_QUANT_ROWS))
     for shape in ((10, 1, 8), (7, 6, 1)):
-        model = EaFsdModel(target, tok, LMDrafter(draft, target.config.vocab_size), *shape)
+        drafter = LMDrafter(draft, target.config.vocab_size)
+        plan = plan_for(target, drafter, TreeShape(*shape), (None, WeightFormat("int4")))
+        model = EaFsdModel(target, tok, drafter, plan=plan)
         ids = encode(tok, PROMPTS[0])
         reference = target.generate(ids, do_sample=False, max_new_tokens=48)
         out = model.generate(ids, max_new_tokens=48, return_dict=True)

@@ -1,27 +1,43 @@
 """The target's linear layers int8 x int8 (eagle_fsd.target_quant): within the rounding bound of a float64
 reference, each row independent of the others in its call (what makes verification equal plain decoding), the swap
 of a whole model, lossless speculation against the quantized model, and when "auto" turns it on."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import LMDrafter
-from eagle_fsd.fused_decoder import runs_fused
+from eagle_fsd.drafting import LMDrafter
+from eagle_fsd.fused_decoder import fused_fits
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.loading import model_run, plan_for
 from eagle_fsd.model import EaFsdModel, exactness
-from eagle_fsd.prepack import unpacked
+from eagle_fsd.plan import WeightFormat
 from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
 from eagle_fsd import target_quant
 from eagle_fsd.target_quant import (Int8Product, RowQuantLinear, activation_bits, cpu_activation_bits,
-                                    is_target_quantized, quantize_target, row_int8_supported)
+                                    row_int8_supported)
+from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import dtype as tune_dtype
 from eagle_fsd.tune import resolve_target_quant
+from eagle_fsd.weights import format_weights
 from tiny import hf_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not row_int8_supported("cpu"), reason="this PyTorch has no FBGEMM int8 linear")
 BITS = [bits for bits in (8, 7) if bits <= cpu_activation_bits()]  # 8 needs VNNI (32-bit sums of 8-bit products)
+ROWS = WeightFormat("rows")  # an exact int8 x int8 target
+ROWS_DRAFTER = WeightFormat("rows", exact=False)  # a drafter's int8 layers, each call rounded with one scale
+
+
+def target_run(model, fmt=WeightFormat()):
+    """How the loader's plan runs `model` as a target with weights in `fmt`."""
+    return model_run(model, fmt, "auto", exact=True, decoder=True)
+
+
+def is_target_quantized(model) -> bool:
+    return any(isinstance(m, RowQuantLinear) for m in model.modules())
 
 
 def random_linear(out_f, in_f, bias, g, dtype=torch.float32):
@@ -67,7 +83,7 @@ def test_row_int8_within_rounding_bound_of_float64(bits, bias, rows):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_drafter_layers_round_each_call_with_one_scale(bits, bias):
-    """A drafter's layers (quantize_target exact=False): the call rounded as one, within the bound its largest |x|
+    """A drafter's layers (WeightFormat("rows", exact=False)): the call rounded as one, within the bound its largest |x|
     gives, and so a row's result depends on the rows beside it (which a target's layer must never do)."""
     g = torch.Generator().manual_seed(bits + 2 * bias)
     linear = random_linear(96, 160, bias, g)
@@ -98,17 +114,18 @@ def test_activation_bits_beyond_the_cpu_are_an_error(monkeypatch):
 
 def test_quantized_drafter_rounds_per_call_and_attends_in_fp32():
     model = tiny_model("qwen2", seed=5)
-    quantize_target(model, exact=False)
+    format_weights(model, ROWS_DRAFTER)
     products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}
     assert products and not any(p.per_row for p in products.values())
-    assert getattr(model.config, "eagle_fsd_fp64_attention") is False
     drafter = LMDrafter(model, model.config.vocab_size)
     drafter.set_draft_vocab(torch.arange(0, model.config.vocab_size, 3))  # its lm_head's rows: rounded the same way
     assert drafter.draft_head.quant.product.per_row is False
     target = tiny_model("qwen2", seed=5)
-    quantize_target(target)
+    format_weights(target, ROWS)
     assert all(m.product.per_row for m in target.modules() if isinstance(m, RowQuantLinear))
-    assert getattr(target.config, "eagle_fsd_fp64_attention") is True
+    plan = plan_for(target, drafter, TreeShape(8, 3, 2), (ROWS, ROWS_DRAFTER))  # how the engine runs the two
+    assert plan.drafter.fp64_attention is False and plan.drafter.kv_dtype is None
+    assert plan.target.fp64_attention is True
 
 
 def test_each_row_is_independent_of_its_batch():
@@ -126,7 +143,8 @@ def test_each_row_is_independent_of_its_batch():
 
 
 def test_bf16_weight_and_activations():
-    """bf16 weights are read as they are; bf16 activations come back bf16; unpacked runs F.linear on the weight."""
+    """bf16 weights are read as they are; bf16 activations come back bf16; the layer keeps the bf16 weight it shares,
+    on which a run as loaded is F.linear."""
     g = torch.Generator().manual_seed(5)
     linear = random_linear(64, 96, True, g, torch.bfloat16)
     layer = RowQuantLinear.from_linear(linear)
@@ -134,20 +152,20 @@ def test_bf16_weight_and_activations():
     want = F.linear(x.double(), linear.weight.double(), linear.bias.double())
     assert (layer(x).double() - want).abs().max() <= rounding_bound(x, linear.weight.float(), 127).max()
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    with unpacked(layer):
-        assert torch.equal(layer(x), F.linear(x.bfloat16(), linear.weight, linear.bias).float())
+    assert layer.weight is linear.weight and layer.bias is linear.bias and layer.weight.dtype == torch.bfloat16
+    assert torch.equal(F.linear(x.bfloat16(), layer.weight, layer.bias), linear(x.bfloat16()))
 
 
-def test_quantize_target_swaps_every_linear_and_runs_fp32():
+def test_rows_format_swaps_every_linear_and_runs_fp32():
     model = tiny_model("qwen2", seed=2, tie_word_embeddings=True).to(torch.bfloat16)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    assert quantize_target(model) == linears and is_target_quantized(model)
+    assert format_weights(model, ROWS) == linears and is_target_quantized(model)
     assert all(isinstance(m, RowQuantLinear) for m in model.modules() if isinstance(m, nn.Linear))
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
     assert model.get_input_embeddings().weight.dtype == torch.float32
     assert all(p.dtype == torch.float32 for m in model.modules() if not isinstance(m, RowQuantLinear)
                for p in m.parameters(recurse=False))
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # kept for unpacked runs only
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # kept as loaded, shared, not run
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(ids).logits
@@ -157,16 +175,18 @@ def test_quantize_target_swaps_every_linear_and_runs_fp32():
 def test_an_exact_target_stores_its_cache_in_float64_and_attends_to_the_same_numbers():
     """Through transformers' layers (a GELU MLP: not the fused decoder's shape) an exact target attends in float64."""
     model = tiny_model("qwen2", seed=6, hidden_act="gelu")
-    assert TreeCache.for_model(model, 8).layers[0].storage_dtype is None  # float target: keys as they come
-    quantize_target(model)
-    assert not runs_fused(model)
+    float_run = target_run(model)
+    assert TreeCache.for_model(model, 8, float_run).layers[0].storage_dtype is None  # float target: keys as they come
+    format_weights(model, ROWS)
+    run = target_run(model, ROWS)
+    assert not fused_fits(model) and not run.fused and run.fp64_attention
     ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
     outputs = []
-    for cache in (TreeCache(model.config.num_hidden_layers, 16), TreeCache.for_model(model, 16)):
+    for cache in (TreeCache(model.config.num_hidden_layers, 16), TreeCache.for_model(model, 16, run)):
         with torch.no_grad():
-            prefill = decoder_forward(model, ids[:9], cache, causal_mask(0, 9, "cpu"), torch.arange(9))
+            prefill = decoder_forward(model, ids[:9], cache, causal_mask(0, 9, "cpu"), torch.arange(9), run)
             tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
-            step = decoder_forward(model, ids[9:], cache, prefix_tree_mask(9, tree), torch.tensor([9, 10, 10]))
+            step = decoder_forward(model, ids[9:], cache, prefix_tree_mask(9, tree), torch.tensor([9, 10, 10]), run)
         outputs.append((prefill, step, cache.layers[0].keys.dtype))
     (prefill32, step32, dtype32), (prefill64, step64, dtype64) = outputs
     assert dtype32 == torch.float32 and dtype64 == torch.float64  # widened once, when stored
@@ -176,9 +196,11 @@ def test_an_exact_target_stores_its_cache_in_float64_and_attends_to_the_same_num
 def test_a_fused_exact_target_keeps_an_fp32_cache():
     """The fused decoder attends in fp32, each row alone (eagle_fsd.kernels.decoder_glue.attend): no wider cache."""
     model = tiny_model("qwen2", seed=6)
-    quantize_target(model)
-    want = None if runs_fused(model) else torch.float64
-    assert TreeCache.for_model(model, 8).layers[0].storage_dtype == want
+    format_weights(model, ROWS)
+    run = target_run(model, ROWS)
+    assert run.fused == fused_fits(model)
+    want = None if fused_fits(model) else torch.float64
+    assert TreeCache.for_model(model, 8, run).layers[0].storage_dtype == want
 
 
 @pytest.mark.parametrize("shape", [(12, 3, 3), (8, 7, 1)])
@@ -190,15 +212,17 @@ def test_engine_is_lossless_against_the_quantized_target(shape):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.003 * torch.randn_like(p))
-    quantize_target(target)
+    float_target = copy.deepcopy(target)  # the target as loaded
+    format_weights(target, ROWS)
     ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
-    model = EaFsdModel(target, None, LMDrafter(draft, 1000), *shape)
+    drafter = LMDrafter(draft, 1000)
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(*shape), (ROWS, None)))
     out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
     plain = model.naive_generate(ids, max_new_tokens=30, eos_token_id=[])
     assert plain.shape == (1, 40) and torch.equal(out.sequences, plain)
     assert out.tau > 1.2
-    with unpacked(target):  # the float model decodes differently: the quantized one is what was matched
-        float_greedy = hf_greedy(target, ids, 30)
+    float_greedy = hf_greedy(float_target, ids, 30)  # the float model decodes differently: the quantized one is
+    # what was matched
     assert float_greedy.shape == plain.shape
 
 
@@ -206,7 +230,7 @@ def test_draft_vocabulary_of_a_quantized_head_scores_its_rows():
     """An EAGLE-style draft head scoring a draft vocabulary of the int8 target's lm_head gives exactly those
     columns of the full head's logits (the same int8 rows, each column independent)."""
     target = tiny_model("llama", seed=6)
-    quantize_target(target)
+    format_weights(target, ROWS)
     drafter = LMDrafter(target, 1000)  # owner = the quantized model itself
     hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     full = drafter.draft_head(hidden)
@@ -282,6 +306,8 @@ def test_smollm2_with_its_head_on_an_int8_target():
     model = EaFsdModel.from_pretrained("smollm2-135m-instruct", target_quant="int8", total_token=8, depth=3, top_k=2,
                                        draft_vocab=0)
     assert is_target_quantized(model.base_model) and model.base_model.dtype == torch.float32
+    assert all(isinstance(m, RowQuantLinear) for m in model.base_model.modules() if isinstance(m, nn.Linear))
+    assert model.plan.target.weights.quantized_rows and model.plan.target.fp64_attention
     ids = model.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=40, eos_token_id=[], return_dict=True)
     assert torch.equal(out.sequences, model.naive_generate(ids, max_new_tokens=40, eos_token_id=[]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tiny import hf_greedy, tiny_model
 
 from eagle_fsd import presets, train
 from eagle_fsd.train import distill, features, loop
-from eagle_fsd.drafters import EagleDrafter, load_eagle_head
+from eagle_fsd.drafting import EagleDrafter, load_eagle_head
 from eagle_fsd.model import EaFsdModel
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -137,13 +138,14 @@ def test_train_learns_and_resumes_to_the_same_weights(target, tmp_path, monkeypa
     samples = [(torch.cat([torch.tensor([1, 2, 3, i]), pattern.repeat(6)]),
                 torch.cat([torch.zeros(4, dtype=torch.bool), torch.ones(24, dtype=torch.bool)])) for i in range(12)]
     seqs = feature_seqs(target, samples)
-    settings = dict(epochs=10, lr=3e-3, batch_size=4, noise=0.0, progress=False, eval_every=0)
+    config = train.TrainConfig(epochs=10, lr=3e-3, batch_size=4, loss=train.LossSettings(noise=0.0), progress=False,
+                               eval_every=0)
     raw = train.head_raw_config(target.config)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
 
     full = train.new_head(raw, seed=0)
     before = train.evaluate(full, embed, lm_head, seqs[:2], "cpu")
-    summary = train.train(full, target, seqs[2:], seqs[:2], state_path=tmp_path / "full.pt", **settings)
+    summary = train.train(full, target, seqs[2:], seqs[:2], config, state_path=tmp_path / "full.pt")
     assert summary["steps"] == 30  # 10 sequences in batches of 4: 3 steps per epoch
     assert before["top1"] < 0.1 and summary["held"]["top1"] >= 0.7  # it learnt the target's next-token choices
     assert summary["held"]["v_loss"] < 0.2 * before["v_loss"]
@@ -161,11 +163,11 @@ def test_train_learns_and_resumes_to_the_same_weights(target, tmp_path, monkeypa
     monkeypatch.setattr(loop, "head_loss", flaky)
     part = train.new_head(raw, seed=0)
     with pytest.raises(KeyboardInterrupt):
-        train.train(part, target, seqs[2:], seqs[:2], state_path=tmp_path / "part.pt", save_every=4, **settings)
+        train.train(part, target, seqs[2:], seqs[:2], replace(config, save_every=4), state_path=tmp_path / "part.pt")
     monkeypatch.setattr(loop, "head_loss", real)
     assert torch.load(tmp_path / "part.pt", weights_only=False)["step"] == 12
     resumed = train.new_head(raw, seed=1)  # other init: everything must come from the checkpoint
-    train.train(resumed, target, seqs[2:], seqs[:2], state_path=tmp_path / "part.pt", resume=True, **settings)
+    train.train(resumed, target, seqs[2:], seqs[:2], replace(config, resume=True), state_path=tmp_path / "part.pt")
     for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 

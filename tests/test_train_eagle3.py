@@ -3,7 +3,7 @@ and `train-head --arch eagle3` end to end (the head it writes loads in every lay
 import pytest
 import torch
 
-from eagle_fsd.eagle3 import Eagle3Drafter, default_aux_indices, load_eagle3_head
+from eagle_fsd.drafting.eagle3 import Eagle3Drafter, default_aux_indices, load_eagle3_head
 from eagle_fsd.train.eagle3 import Eagle3Loss, draft_vocabulary, new_eagle3_head, ttt_unroll
 from eagle_fsd.train.features import target_features
 from tiny import tiny_model

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import LMDrafter, grow_tree
+from eagle_fsd.drafting import LMDrafter, grow_tree
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.tree.accept import accept
 from eagle_fsd.tree.dynamic import DraftPool, chain_tree, select_tree

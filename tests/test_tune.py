@@ -9,7 +9,7 @@ import torch
 
 from eagle_fsd import tune, vocab
 from eagle_fsd.tune import dtype as tune_dtype
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.fsd import FsdConfig, node_divergences
 from eagle_fsd.guard import GuardMemory
 from eagle_fsd.model import EaFsdModel, SpeedGuard
@@ -203,7 +203,7 @@ def test_a_models_calls_under_one_rule_are_judged_as_one_generation():
     tuning = tune.Tuning(shape=(4, 1, 1, 0), predicted_speedup=1.2, plain_ms=1e-4, verify_ms={1: 100.0, 4: 120.0},
                          speculate=True)
     model = EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=2), 1000),
-                       shape=TreeShape(4, 1, 1), tuning=tuning)
+                       4, 1, 1, tuning=tuning)
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
     first = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
     assert 0 < first.plain_steps < first.verify_steps  # speculated for a window, then fell back
@@ -236,7 +236,7 @@ def test_the_drafters_prompt_read_is_its_own_phase_not_a_steps_cost():
     tuning = tune.Tuning(shape=(4, 1, 1, 0), predicted_speedup=1.2, plain_ms=1e4, verify_ms={1: 1.0, 4: 1.2},
                          speculate=True)
     model = EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=2), 1000),
-                       shape=TreeShape(4, 1, 1), tuning=tuning)
+                       4, 1, 1, tuning=tuning)
     slow_prompt_read(model, 0.3)
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
     out = model.generate(ids, max_new_tokens=8, eos_token_id=[], return_dict=True)
@@ -259,7 +259,7 @@ def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
     tuning = tune.autotune(measured, "tiny-target", "tiny-hopeless", fixed={}, progress=False, settings=settings)
     assert not tuning.speculate and tuning.predicted_speedup < 1
     assert measured.shape == TreeShape(8, 2, 2) and measured.tuning is None  # measured, not changed
-    model = EaFsdModel(target, WordTokenizer(), drafter, shape=tuning.tree, tuning=tuning)  # what the loader builds
+    model = EaFsdModel(target, WordTokenizer(), drafter, tuning=tuning)  # what the loader builds
     assert tuning.prefill_ms > 0 and tuning.draft_prefill_ms > 0  # both prefills timed per prompt token
     assert list(tmp_path.glob("tune/*.json"))  # cached as readable JSON
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
@@ -270,44 +270,54 @@ def test_hopeless_drafter_decodes_plainly_and_exactly(tmp_path, monkeypatch):
 
 def test_cache_key_separates_packed_kernels_and_cpu_caps(monkeypatch):
     """Profiles timed with other kernels or under an instruction-set cap are not reused."""
-    from eagle_fsd.prepack import prepack_linears, prepack_supported
+    from eagle_fsd.loading import plan_for
+    from eagle_fsd.prepack import prepack_supported
     from eagle_fsd.tune.store import CPU_CAP_VARS
+    from eagle_fsd.weights import PREPACKED, format_weights
 
-    target = tiny_model("llama", seed=1)
-    model = EaFsdModel(target, None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
+    target, drafter = tiny_model("llama", seed=1), LMDrafter(tiny_model("llama", seed=2), 1000)
+    model = EaFsdModel(target, None, drafter, 8, 3, 2)
     for name in CPU_CAP_VARS:
         monkeypatch.delenv(name, raising=False)
     plain = tune.cache_key(model, "m", "d")
-    assert "cpu_caps" not in plain and "prepacked" not in plain
+    assert "cpu_caps" not in plain and "weights" not in plain["plan"]["target"]
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     capped = tune.cache_key(model, "m", "d")
     assert capped["cpu_caps"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert tune.cache_path(capped) != tune.cache_path(plain)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     if prepack_supported(torch.float32, "cpu"):
-        prepack_linears(target)
-        packed = tune.cache_key(model, "m", "d")
-        assert packed["prepacked"] is True and tune.cache_path(packed) != tune.cache_path(plain)
+        format_weights(target, PREPACKED)
+        packed_model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(8, 3, 2),
+                                                                       (PREPACKED, None)))
+        packed = tune.cache_key(packed_model, "m", "d")
+        assert packed["plan"]["target"]["weights"] == "prepacked" and tune.cache_path(packed) != tune.cache_path(plain)
 
 
 def test_cache_key_separates_the_fused_decoder_forward():
     """A profile timed through transformers' forward is not reused for the fused one (eagle_fsd.fused_decoder)."""
-    from eagle_fsd.fused_decoder import FUSED_VERSION, runs_fused
+    from eagle_fsd.fused_decoder import FUSED_VERSION, fused_fits
 
     model = EaFsdModel(tiny_model("llama", seed=1), None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
     fused = tune.cache_key(model, "m", "d")
-    assert fused.get("fused_decoder") == (["target", "drafter"] if runs_fused(model.base_model) else None)
-    assert fused.get("fused_version") == (FUSED_VERSION if runs_fused(model.base_model) else None)
+    fits = fused_fits(model.base_model)
+    assert fused["plan"]["target"].get("fused") == (True if fits else None)
+    assert fused["plan"]["drafter"].get("fused") == (True if fits else None)
+    assert fused.get("fused_version") == (FUSED_VERSION if fits else None)
     model.base_model.to(torch.bfloat16)
     model.drafter.model.to(torch.bfloat16)
-    unfused = tune.cache_key(model, "m", "d")
-    assert "fused_decoder" not in unfused and tune.cache_path(unfused) != tune.cache_path(fused)
+    bf16 = EaFsdModel(model.base_model, None, model.drafter, 8, 3, 2)
+    unfused = tune.cache_key(bf16, "m", "d")
+    assert "fused" not in unfused["plan"]["target"] and tune.cache_path(unfused) != tune.cache_path(fused)
 
 
 def test_cache_key_separates_the_int8_kernel(monkeypatch):
     """A profile timed with FBGEMM's int8 layers is not reused once they run eagle_fsd.kernels.int8_rows."""
     from eagle_fsd import target_quant
     from eagle_fsd.kernels.int8_rows import int8_rows_runnable
+    from eagle_fsd.loading import plan_for
+    from eagle_fsd.plan import WeightFormat
+    from eagle_fsd.weights import format_weights
 
     if not (target_quant.row_int8_supported("cpu") and int8_rows_runnable()):
         pytest.skip("needs FBGEMM's int8 linear, AVX2 and a C++ compiler")
@@ -315,11 +325,13 @@ def test_cache_key_separates_the_int8_kernel(monkeypatch):
     keys = {}
     for avx2 in (False, True):
         monkeypatch.setattr(target_quant, "int8_rows_available", lambda: avx2)
-        target = tiny_model("llama", seed=1)
-        target_quant.quantize_target(target)
-        model = EaFsdModel(target, None, LMDrafter(tiny_model("llama", seed=2), 1000), 8, 3, 2)
+        target, drafter = tiny_model("llama", seed=1), LMDrafter(tiny_model("llama", seed=2), 1000)
+        rows = WeightFormat("rows")
+        format_weights(target, rows)
+        model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(8, 3, 2), (rows, None)))
         keys[avx2] = tune.cache_key(model, "m", "d")
-    assert "int8_kernel" not in keys[False] and keys[True]["int8_kernel"] == "int8_rows"
+    assert keys[False]["plan"]["target"]["int8_kernel"] == "fbgemm"
+    assert keys[True]["plan"]["target"]["int8_kernel"] == "int8_rows"
     assert tune.cache_path(keys[True]) != tune.cache_path(keys[False])
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle_fsd import tune
-from eagle_fsd.drafters import LMDrafter
+from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.guard import SpeedGuard
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tune.trust import TimingWatch, busy_reason, describe_age, relative_spread

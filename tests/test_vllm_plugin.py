@@ -8,7 +8,7 @@ import torch
 
 from eagle_fsd.fsd import FsdConfig, fsd_accept
 from eagle_fsd.tree.dynamic import chain_tree
-from eagle_fsd.vllm import check_vllm_version, fuzzy_chain, request_fsd
+from eagle_fsd.vllm import DraftChain, check_vllm_version, fuzzy_chain, request_fsd
 
 
 def test_request_settings_come_from_extra_args_then_the_environment():
@@ -52,11 +52,11 @@ def test_greedy_chain_by_hand():
                                           reduction="sum")) for i in range(3)]  # KL(q || p) per position
     assert d[0] > 0 and d[1] == 0 and d[2] > 0
     kept = [0]  # vLLM rejected draft 0 and emitted the target's 0
+    chain = DraftChain(drafts, target, probs, draft.softmax(-1), None, bonus)
     # T below D_0: vLLM's output stands
-    assert fuzzy_chain(kept, drafts, target, probs, draft.softmax(-1), None, bonus, FsdConfig(d[0] * 0.99), True) == [0]
+    assert fuzzy_chain(kept, chain, FsdConfig(d[0] * 0.99), True) == [0]
     # T above D_0: draft 0 kept fuzzily, draft 1 matches the target, draft 2 (D_2 = D_0 < T) kept fuzzily, bonus 4
-    assert fuzzy_chain(kept, drafts, target, probs, draft.softmax(-1), None, bonus, FsdConfig(d[0] * 1.01),
-                       True) == [1, 2, 3, 4]
+    assert fuzzy_chain(kept, chain, FsdConfig(d[0] * 1.01), True) == [1, 2, 3, 4]
     # a target that is sure at position 2 makes D_2 larger than T: stop there with the target's 5
     target2 = target.clone()
     target2[2, 5] = 12.0
@@ -64,9 +64,10 @@ def test_greedy_chain_by_hand():
                                           reduction="sum"))
     t = FsdConfig(d[0] * 1.01)
     assert d2 > t.threshold
-    assert fuzzy_chain(kept, drafts, target2, target2.softmax(-1), draft.softmax(-1), None, bonus, t, True) == [1, 2, 5]
+    sure = DraftChain(drafts, target2, target2.softmax(-1), draft.softmax(-1), None, bonus)
+    assert fuzzy_chain(kept, sure, t, True) == [1, 2, 5]
     # everything vLLM accepted already (bonus included) is left alone
-    assert fuzzy_chain([1, 2, 3, 4], drafts, target, probs, draft.softmax(-1), None, bonus, t, True) == [1, 2, 3, 4]
+    assert fuzzy_chain([1, 2, 3, 4], chain, t, True) == [1, 2, 3, 4]
 
 
 def test_sampled_chain_by_hand():
@@ -78,16 +79,17 @@ def test_sampled_chain_by_hand():
     draft = torch.softmax(one_hot_logits([1, 2, 3]), -1)
     bonus = torch.tensor([0, 0, 0, 0, 1.0, 0])
     generator = torch.Generator().manual_seed(0)
-    assert fuzzy_chain([2], drafts, target, probs, draft, None, bonus, FsdConfig(0.0), False, generator) == [2]
-    assert fuzzy_chain([2], drafts, target, probs, draft, None, bonus, FsdConfig(math.inf), False,
-                       generator) == [1, 2, 3, 4]
+    chain = DraftChain(drafts, target, probs, draft, None, bonus)
+    assert fuzzy_chain([2], chain, FsdConfig(0.0), False, generator) == [2]
+    assert fuzzy_chain([2], chain, FsdConfig(math.inf), False, generator) == [1, 2, 3, 4]
     # D_0 < T < D_1: draft 0 is kept fuzzily; the target at position 1 all but rules draft 2 out (p = 6e-6) and is
     # too far from the drafter to keep it fuzzily; the residual p - onehot(2) puts all but 1e-5 of its mass on 5
     target = torch.zeros(3, 6)
     target[1, 5] = 12.0
     d = [float((draft[i] * (draft[i].log() - target[i].log_softmax(-1))).sum()) for i in range(2)]  # KL(q || p)
     assert d[0] < 3 < d[1]
-    tokens = fuzzy_chain([2], drafts, target, target.softmax(-1), draft, None, bonus, FsdConfig(3.0), False, generator)
+    chain = DraftChain(drafts, target, target.softmax(-1), draft, None, bonus)
+    tokens = fuzzy_chain([2], chain, FsdConfig(3.0), False, generator)
     assert tokens == [1, 5]
 
 
@@ -101,10 +103,10 @@ def test_sampled_walk_uses_vllms_ratio_and_residual():
                                [0.0, 0.0, 0.0, 0.5, 0.0, 0.5]])
     bonus = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
     target = probs.clamp_min(1e-9).log()
+    chain = DraftChain(drafts, target, probs, lossless_q, lossless_q, bonus)
     for seed in range(20):
         generator = torch.Generator().manual_seed(seed)
-        tokens = fuzzy_chain([5], drafts, target, probs, lossless_q, lossless_q, bonus, FsdConfig(math.inf), False,
-                             generator)
+        tokens = fuzzy_chain([5], chain, FsdConfig(math.inf), False, generator)
         assert tokens == [1, 2, 3, 5], seed  # draft 0 fuzzily (vLLM rejected it), drafts 1 and 2 by ratio 1
     # draft 1 now has p(2) = 0.25 < q'(2) = 0.5; where it is rejected, with D_1 infinite (no fuzzy accept),
     # the replacement is drawn from max(p - q', 0) = token 4 only
@@ -112,11 +114,11 @@ def test_sampled_walk_uses_vllms_ratio_and_residual():
     lossless_q[1] = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.0])  # KL(q' || p) = inf: q' has mass on 3, p none
     logits_for_d, q_for_d = probs.clamp_min(0).log(), lossless_q.clone()
     logits_for_d[0], q_for_d[0] = 0.0, 1 / 6  # D_0 = 0: draft 0 is kept fuzzily
+    chain = DraftChain(drafts, logits_for_d, probs, q_for_d, lossless_q, bonus)
     outcomes = set()
     for seed in range(40):
         generator = torch.Generator().manual_seed(seed)
-        outcomes.add(tuple(fuzzy_chain([5], drafts, logits_for_d, probs, q_for_d, lossless_q, bonus, FsdConfig(1e6),
-                                       False, generator)))
+        outcomes.add(tuple(fuzzy_chain([5], chain, FsdConfig(1e6), False, generator)))
     assert outcomes == {(1, 4), (1, 2, 3, 5)}
 
 
@@ -128,9 +130,9 @@ def test_below_threshold_the_walk_is_vllms_and_draws_nothing():
     draft = torch.softmax(one_hot_logits([1, 2, 3]), -1)
     generator = torch.Generator().manual_seed(5)
     state = generator.get_state()
+    chain = DraftChain(drafts, target, target.softmax(-1), draft, draft, target[0].softmax(-1))
     for kept in ([4], [1, 0], [1, 2, 5]):
-        assert fuzzy_chain(kept, drafts, target, target.softmax(-1), draft, draft, target[0].softmax(-1),
-                           FsdConfig(0.0), False, generator) == kept
+        assert fuzzy_chain(kept, chain, FsdConfig(0.0), False, generator) == kept
     assert torch.equal(generator.get_state(), state)
 
 
@@ -156,8 +158,9 @@ def test_the_chain_walk_is_the_tree_engines_step_on_that_chain():
             tree = replace(chain_tree(torch.cat([torch.tensor([0]), drafts])),
                            dist_index=torch.tensor([*range(n), -1]), draft_logits=draft)
             step = fsd_accept(tree, target, choice, fsd, vocab)
-            tokens = fuzzy_chain(kept, drafts, target[:n], target[:n].softmax(-1), draft.softmax(-1), None,
-                                 target[n].softmax(-1), fsd, True)
+            chain = DraftChain(drafts, target[:n], target[:n].softmax(-1), draft.softmax(-1), None,
+                               target[n].softmax(-1))
+            tokens = fuzzy_chain(kept, chain, fsd, True)
             assert tokens == step.tokens, (trial, divergence)
             agreed += 1
             fuzzy += step.fuzzy > 0

@@ -17,8 +17,7 @@ class TreeShape:
     draft_vocab: int = 0
 
     def __post_init__(self):
-        for name in ("total_token", "depth", "branching"):
-            value = getattr(self, name)
+        for name, value in (("total_token", self.total_token), ("depth", self.depth), ("branching", self.branching)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"tree {name}={value!r} must be a positive int (EAGLE's total_token, depth, top_k; "
                                  "its defaults: total_token=60, depth=5, top_k=10)")

@@ -22,7 +22,7 @@ Stages (each cached under --cache-dir, default DIR/cache, so an interrupted run 
    bar). The training state is checkpointed; --resume continues from it; --init starts from an existing head.
 Output: DIR/config.json + DIR/model.safetensors in the published EAGLE-1/2 layout (keys of eagle-llm's
 cnets.Model without embed_tokens; a Llama config with num_hidden_layers 1 plus "bias"), loadable by
-`eagle_fsd.drafters.load_eagle_head` and by `EaFsdModel.from_pretrained(base, ea_model_path=DIR)`.
+`eagle_fsd.drafting.load_eagle_head` and by `EaFsdModel.from_pretrained(base, ea_model_path=DIR)`.
 
 EAGLE-3 (`--arch eagle3`, train/eagle3.py): the features are the hidden states entering three target layers plus the
 last hidden state; the head gets its own lm_head over a draft vocabulary (--draft-vocab most frequent reply tokens)
@@ -51,7 +51,7 @@ from eagle_fsd.train.data import (
     normalize_conversation,
     source_path,
 )
-from eagle_fsd.train.distill import distill_path, generate_replies, greedy_batch, self_distill
+from eagle_fsd.train.distill import DistillSettings, distill_path, generate_replies, greedy_batch, self_distill
 from eagle_fsd.train.features import (
     Seq,
     build_feature_cache,
@@ -62,5 +62,5 @@ from eagle_fsd.train.features import (
 )
 from eagle_fsd.train.head import CONFIG_KEYS, HEAD_FILES, head_raw_config, head_state, new_head, save_head
 from eagle_fsd.train.log import log
-from eagle_fsd.train.loop import collate, evaluate, lr_factor, make_batches, train
-from eagle_fsd.train.loss import LossParts, head_loss
+from eagle_fsd.train.loop import TrainConfig, collate, evaluate, lr_factor, make_batches, train
+from eagle_fsd.train.loss import LossParts, LossSettings, head_loss

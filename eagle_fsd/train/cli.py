@@ -11,17 +11,17 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.dtypes import DTYPES
-from eagle_fsd.eagle3 import default_aux_indices
+from eagle_fsd.drafting.eagle3 import default_aux_indices
 from eagle_fsd.eagle3_export import save_eagle3_head
 from eagle_fsd.files import atomic_write_text, sha256_file
 from eagle_fsd.train.data import encode_all, ensure_chat_template, load_conversations, mostly_ascii
-from eagle_fsd.train.distill import distill_path, self_distill
+from eagle_fsd.train.distill import DistillSettings, distill_path, self_distill
 from eagle_fsd.train.eagle3 import Eagle3Loss, draft_vocabulary, new_eagle3_head
 from eagle_fsd.train.features import build_feature_cache, load_shards, model_fingerprint
 from eagle_fsd.train.head import head_raw_config, new_head, save_head
 from eagle_fsd.train.log import log
-from eagle_fsd.train.loop import train
-from eagle_fsd.train.loss import head_loss
+from eagle_fsd.train.loop import TrainConfig, train
+from eagle_fsd.train.loss import LossSettings, head_loss
 
 
 def _cpu_bf16_fast() -> bool:
@@ -155,8 +155,9 @@ def data_stage(run: Run) -> list:
     if args.self_distill:
         path = distill_path(run.cache, args.data, args.seed, model_fingerprint(run.target), args.gen_tokens,
                             args.distill_turns, args.max_prompt_tokens, args.min_ascii)
-        distilled, rest = self_distill(run.target, run.tokenizer, convs, args.self_distill, path, args.gen_tokens,
-                                       args.gen_batch, args.distill_turns, args.max_prompt_tokens, args.min_ascii,
+        settings = DistillSettings(args.gen_tokens, args.gen_batch, args.distill_turns, args.max_prompt_tokens,
+                                   args.min_ascii)
+        distilled, rest = self_distill(run.target, run.tokenizer, convs, args.self_distill, path, settings,
                                        run.progress)
         log(f"data: {len(distilled)} self-distilled conversations in {path}")
         # --max-tokens beyond the distilled data: fill up with conversations that keep the dataset's replies
@@ -191,8 +192,8 @@ def split_held_out(seqs: list, holdout: float) -> tuple[list, list]:
 
 def initial_head(run: Run, samples):
     """(head, raw config or None, loss function): new or --init, EAGLE-1/2 or EAGLE-3."""
-    from eagle_fsd.drafters import load_eagle_head
-    from eagle_fsd.eagle3 import load_eagle3_head
+    from eagle_fsd.drafting import load_eagle_head
+    from eagle_fsd.drafting.eagle3 import load_eagle3_head
 
     args = run.args
     if args.arch == "eagle3":
@@ -218,11 +219,13 @@ def training_stage(run: Run, paths: list[Path], samples):
     head, raw, loss_fn = initial_head(run, samples)
     if args.init:
         log(f"train: starting from the head in {args.init}")
-    summary = train(head, run.target, train_seqs, held, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                    batch_tokens=args.batch_tokens, warmup=args.warmup, weight_decay=args.weight_decay,
-                    grad_clip=args.grad_clip, noise=args.noise, v_weight=args.v_weight, p_weight=args.p_weight,
-                    seed=args.seed, bf16=run.bf16, state_path=run.cache / "train_state.pt", resume=args.resume,
-                    save_every=args.save_every, eval_every=args.eval_every, progress=run.progress, loss_fn=loss_fn)
+    config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, batch_tokens=args.batch_tokens,
+                         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                         loss=LossSettings(args.noise, args.v_weight, args.p_weight), seed=args.seed, bf16=run.bf16,
+                         resume=args.resume, save_every=args.save_every, eval_every=args.eval_every,
+                         progress=run.progress)
+    summary = train(head, run.target, train_seqs, held, config, state_path=run.cache / "train_state.pt",
+                    loss_fn=loss_fn)
     run.times["train_s"] = time.perf_counter() - started
     return head, raw, summary, len(held), len(train_seqs)
 
@@ -230,8 +233,8 @@ def training_stage(run: Run, paths: list[Path], samples):
 def save_and_report(run: Run, argv: list[str], samples, head, raw: dict, summary: dict, n_held: int,
                     n_train: int) -> None:
     """Save the head (it must load against its target) and write cache/train_report.json."""
-    from eagle_fsd.drafters import load_eagle_head
-    from eagle_fsd.eagle3 import load_eagle3_head
+    from eagle_fsd.drafting import load_eagle_head
+    from eagle_fsd.drafting.eagle3 import load_eagle3_head
 
     if raw is None:  # EAGLE-3
         from eagle_fsd.presets import serving_name

@@ -108,7 +108,7 @@ def load_conversations(data: str, seed: int = 0) -> list[list[dict]]:
 
 
 def ensure_chat_template(tokenizer) -> None:
-    if getattr(tokenizer, "chat_template", None) is None:
+    if tokenizer.chat_template is None:
         tokenizer.chat_template = PLAIN_TEMPLATE
 
 

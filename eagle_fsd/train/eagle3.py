@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig
 
-from eagle_fsd.eagle3 import Eagle3Head
+from eagle_fsd.drafting.eagle3 import Eagle3Head
 from eagle_fsd.train.head import head_raw_config
-from eagle_fsd.train.loss import LossParts
+from eagle_fsd.train.loss import LossParts, LossSettings
 
 
 def draft_vocabulary(samples, vocab_size: int, size: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def ttt_unroll(head: Eagle3Head, embed, ids: torch.Tensor, aux: torch.Tensor, st
 
 
 class Eagle3Loss:
-    """The TTT loss with the signature of `loss.head_loss` (noise, v_weight, p_weight are EAGLE-2's and unused).
+    """The TTT loss with the signature of `loss.head_loss` (its LossSettings and generator are EAGLE-2's, unused).
     LossParts.correct / count: step 0 (depth-1 agreement); `by_step` holds (correct, count) of every step."""
 
     def __init__(self, steps: int = 7, decay: float = 0.8):
@@ -86,8 +86,8 @@ class Eagle3Loss:
             raise ValueError(f"ttt_steps={steps!r} must be >= 1 (EAGLE-3 uses 7)")
         self.steps, self.decay = steps, decay
 
-    def __call__(self, head: Eagle3Head, embed, lm_head, ids, mask, hidden, noise: float = 0.0, generator=None,
-                 v_weight: float = 0.0, p_weight: float = 1.0) -> LossParts:
+    def __call__(self, head: Eagle3Head, embed, lm_head, ids, mask, hidden, settings: LossSettings | None = None,
+                 generator=None) -> LossParts:
         width = hidden.shape[-1] - head.config.hidden_size
         aux, final = hidden[..., :width], hidden[..., width:]
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """The EAGLE-1/2 head as `train-head` makes and saves it: the published layout (eagle-llm's cnets.Model keys without
-embed_tokens; a Llama config with num_hidden_layers 1 plus "bias"), loadable by `eagle_fsd.drafters.load_eagle_head`."""
+embed_tokens; a Llama config with num_hidden_layers 1 plus "bias"), loadable by `eagle_fsd.drafting.load_eagle_head`."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_fsd.drafters import EagleHead, head_config
+from eagle_fsd.drafting import EagleHead, head_config
 from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.files import atomic_write_text, sha256_file
 

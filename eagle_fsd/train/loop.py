@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from eagle_fsd.drafters import EagleHead
+from eagle_fsd.drafting import EagleHead
 from eagle_fsd.train.features import Seq
 from eagle_fsd.train.log import log
-from eagle_fsd.train.loss import head_loss
+from eagle_fsd.train.loss import LossSettings, head_loss
 
 
 def make_batches(lengths: list[int], batch_size: int, batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -150,14 +150,39 @@ def optimizer_step(head, opt, sched, loss: torch.Tensor, grad_clip: float) -> No
     sched.step()
 
 
-def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], *, epochs: float = 2.0,
-          lr: float = 3e-4, batch_size: int = 8, batch_tokens: int = 4096, warmup: float = 0.05,
-          weight_decay: float = 0.0, grad_clip: float = 0.5, noise: float = 0.2, v_weight: float = 1.0,
-          p_weight: float = 0.1, seed: int = 0, bf16: bool = False, state_path: Path | None = None,
-          resume: bool = False, save_every: int = 200, eval_every: int = 200, progress: bool = True,
-          loss_fn=None) -> dict:
+@dataclass(frozen=True)
+class TrainConfig:
+    """AdamW (betas 0.9, 0.95) at peak rate lr, warmed up linearly over a `warmup` fraction of the steps, then cosine
+    decay; gradients clipped by value at grad_clip (0: off). Batches of at most batch_size sequences and batch_tokens
+    padded tokens; epochs may be fractional (the last epoch is cut short). bf16: autocast. Held-out evaluation every
+    eval_every steps and a checkpoint every save_every steps (0: only at the end); resume continues from one."""
+    epochs: float = 2.0
+    lr: float = 3e-4
+    batch_size: int = 8
+    batch_tokens: int = 4096
+    warmup: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    loss: LossSettings = LossSettings(noise=0.2)  # feature noise and loss weights of head_loss
+    seed: int = 0
+    bf16: bool = False
+    resume: bool = False
+    save_every: int = 200
+    eval_every: int = 200
+    progress: bool = True
+
+
+def optimizer(head, config: TrainConfig, total: int):
+    """(AdamW, its warm-up then cosine schedule over `total` steps)."""
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    warm = max(1, int(config.warmup * total))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warm))
+
+
+def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], config: TrainConfig = TrainConfig(),
+          *, state_path: Path | None = None, loss_fn=None) -> dict:
     """Train `head` in place on the feature sequences; returns a summary (held-out metrics, steps, times).
-    epochs may be fractional (the last epoch is cut short). loss_fn: head_loss (EAGLE-1/2) or one with its
+    state_path: the training state's checkpoint (None: none). loss_fn: head_loss (EAGLE-1/2) or one with its
     signature (train.eagle3.Eagle3Loss); None: head_loss."""
     from tqdm import tqdm
 
@@ -167,34 +192,33 @@ def train(head: EagleHead, target, train_seqs: list[Seq], held_seqs: list[Seq], 
     for param in target.parameters():
         param.requires_grad_(False)
     head.to(device).train()
-    epoch_batches, plan = plan_steps([s.ids.numel() for s in train_seqs], epochs, batch_size, batch_tokens, seed)
+    epoch_batches, plan = plan_steps([s.ids.numel() for s in train_seqs], config.epochs, config.batch_size,
+                                     config.batch_tokens, config.seed)
     total = len(plan)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    warm = max(1, int(warmup * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warm))
+    opt, sched = optimizer(head, config, total)
     step, history = 0, []
-    if resume and state_path is not None and state_path.is_file():
+    if config.resume and state_path is not None and state_path.is_file():
         step, history = load_state(state_path, total, head, opt, sched)
     generator = torch.Generator(device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)
     held = history[-1]["held"] if history else {}
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not progress)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not config.progress)
     running = Running(start=time.perf_counter())
     while step < total:
         e, b = plan[step]
         ids, mask, hidden = collate([train_seqs[i] for i in epoch_batches[e][b]], device)
-        generator.manual_seed(seed * 1_000_003 + step)
+        generator.manual_seed(config.seed * 1_000_003 + step)
         with autocast:
-            parts = loss_fn(head, embed, lm_head, ids, mask, hidden, noise, generator, v_weight, p_weight)
-        optimizer_step(head, opt, sched, parts.loss, grad_clip)
+            parts = loss_fn(head, embed, lm_head, ids, mask, hidden, config.loss, generator)
+        optimizer_step(head, opt, sched, parts.loss, config.grad_clip)
         step += 1
         running.add(parts, ids.numel())
-        if (eval_every and step % eval_every == 0) or step == total:
-            held = evaluate(head, embed, lm_head, held_seqs, device, batch_tokens, loss_fn) if held_seqs else {}
+        if (config.eval_every and step % config.eval_every == 0) or step == total:
+            held = evaluate(head, embed, lm_head, held_seqs, device, config.batch_tokens, loss_fn) if held_seqs else {}
             history.append({"step": step, "epoch": e, "loss": running.loss, "train_top1": running.top1,
                             "held": held, "lr": sched.get_last_lr()[0]})
             log_eval(step, total, e, running, held)
-        if (save_every and step % save_every == 0) or step == total:
+        if (config.save_every and step % config.save_every == 0) or step == total:
             save_state(state_path, head, opt, sched, step, total, history)
         bar.update(1)
         bar.set_postfix(**running.postfix(held))

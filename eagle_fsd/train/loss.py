@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.drafters import EagleHead
+from eagle_fsd.drafting import EagleHead
 
 
 @dataclass
@@ -22,14 +22,23 @@ class LossParts:
     by_step: list[tuple[int, int]] | None = None  # (correct, count) per unroll step of a multi-step loss
 
 
-def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, hidden, noise: float = 0.0,
-              generator: torch.Generator | None = None, v_weight: float = 1.0, p_weight: float = 0.1) -> LossParts:
-    """EAGLE-1/2 loss of a batch. Position t reads (embed(x_{t+1}), f_t [+ uniform noise of width `noise`]) and
-    predicts f_{t+1}; positions count where x_{t+1} is an assistant token. The target (embed, lm_head) should be
-    frozen (requires_grad False), as train() leaves it: gradients then flow through lm_head into the head only."""
+@dataclass(frozen=True)
+class LossSettings:
+    """loss = v_weight * SmoothL1(pred, f_{t+1}) + p_weight * soft cross-entropy, the input features f_t perturbed
+    by uniform noise of width `noise` (0: none)."""
+    noise: float = 0.0
+    v_weight: float = 1.0
+    p_weight: float = 0.1
+
+
+def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, hidden,
+              settings: LossSettings = LossSettings(), generator: torch.Generator | None = None) -> LossParts:
+    """EAGLE-1/2 loss of a batch. Position t reads (embed(x_{t+1}), f_t [+ noise]) and predicts f_{t+1}; positions
+    count where x_{t+1} is an assistant token. The target (embed, lm_head) should be frozen (requires_grad False),
+    as train() leaves it: gradients then flow through lm_head into the head only."""
     feats = hidden[:, :-1].float()
-    if noise > 0:
-        feats = feats + (torch.rand(feats.shape, generator=generator, device=feats.device) - 0.5) * noise
+    if settings.noise > 0:
+        feats = feats + (torch.rand(feats.shape, generator=generator, device=feats.device) - 0.5) * settings.noise
     length = feats.shape[1]
     positions = torch.arange(length, device=ids.device)[None].expand(ids.shape[0], -1)
     with torch.no_grad():
@@ -49,5 +58,5 @@ def head_loss(head: EagleHead, embed: nn.Module, lm_head: nn.Module, ids, mask, 
     logp = torch.log_softmax(lm_head(p.to(logits_dtype)).float(), -1)
     p_loss = -(target_p * logp).sum(-1).mean()
     correct = int((logp.argmax(-1) == target_p.argmax(-1)).sum())
-    loss = v_weight * v_loss + p_weight * p_loss
+    loss = settings.v_weight * v_loss + settings.p_weight * p_loss
     return LossParts(loss, v_loss.item(), p_loss.item(), correct, count)

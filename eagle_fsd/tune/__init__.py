@@ -22,7 +22,7 @@ only when the machine was quiet while timing (trust), and checked against the ma
 Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
 (timing the terms, TuneSettings, the check of a cached profile at load), trust (whether the machine was quiet
 enough to cache what was timed), store (the JSON cache, autotune), dtype (dtype, prepack,
-draft_quant and target_quant "auto"), cli (`eagle-fsd tune`, the cost-curve plot; an app: it is not imported here). The other
+draft_quant and target_quant "auto"); `eagle-fsd tune` and the cost-curve plot are an app, eagle_fsd.tune_cli. The other
 public names are re-exported here.
 """
 from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,

@@ -17,7 +17,7 @@ import torch
 from eagle_fsd.files import atomic_write_text, cache_dir
 from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa
 from eagle_fsd.kernels.int8_rows import int8_rows_available
-from eagle_fsd.prepack import is_prepacked, pack_weight, packed_linear, prepack_supported
+from eagle_fsd.prepack import pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, row_int8_supported
 from eagle_fsd.tune.measure import device_name, timed_rounds
@@ -193,10 +193,11 @@ def resolve_prepack(prepack, model) -> bool:
 DRAFT_QUANT = {"off": 0, "int4": 4, "int8": 8}
 
 
-def resolve_draft_quant(draft_quant, drafter) -> int:
+def resolve_draft_quant(draft_quant, drafter, prepacked: bool = False) -> int:
     """Bits of the drafter's weights (0: as loaded) for draft_quant "auto", "int4", "int8" or "off". "auto": int4
     for an LM drafter on the CPU where the kernel exists and measures faster than the drafter's own kernel on its MLP
-    shape; EAGLE heads stay as they are (small, and their lm_head is the target's)."""
+    shape (`prepacked`: its weights are packed for oneDNN); EAGLE heads stay as they are (small, and their lm_head is
+    the target's)."""
     if draft_quant != "auto" and draft_quant not in DRAFT_QUANT:
         raise ValueError(f"draft_quant={draft_quant!r}: use 'auto', 'int4', 'int8' or 'off'")
     if drafter is None or draft_quant == "off":
@@ -212,13 +213,13 @@ def resolve_draft_quant(draft_quant, drafter) -> int:
         return bits
     if not drafter.auto_quant or not quant_supported(4, device):
         return 0
-    return 4 if int4_measures_faster(*mlp_shape(module.config), kernel_kind(module)) else 0
+    return 4 if int4_measures_faster(*mlp_shape(module.config), kernel_kind(module, prepacked)) else 0
 
 
-def kernel_kind(module) -> str:
-    """The kernel kind (`mlp_kernel_ms`) the module's linear layers run now."""
+def kernel_kind(module, prepacked: bool) -> str:
+    """The kernel kind (`mlp_kernel_ms`) the module's linear layers run (prepacked or not)."""
     name = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else "fp32"
-    return f"{name}-packed" if is_prepacked(module) else name
+    return f"{name}-packed" if prepacked else name
 
 
 @functools.lru_cache(maxsize=None)

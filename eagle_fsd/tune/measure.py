@@ -76,7 +76,7 @@ def timed_rounds(fns: dict, rounds: int, before=None, watch: TimingWatch | None 
 def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]:
     """The first `count` prompts (the shipped calibration prompts unless `texts`), through the chat template."""
     texts = list(texts or json.loads(CALIBRATION_FILE.read_text())["prompts"])[:count]
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                               return_tensors="pt", return_dict=True)["input_ids"] for t in texts]
     return [tokenizer(t, return_tensors="pt")["input_ids"] for t in texts]
@@ -84,7 +84,7 @@ def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]
 
 class DraftSetup:
     """A drafter primed on a context, to time its forwards as the engine runs them (through the Drafter
-    contract of eagle_fsd.drafters)."""
+    contract of eagle_fsd.drafting)."""
 
     def __init__(self, drafter, context: torch.Tensor, target_hidden: torch.Tensor, room: int):
         self.drafter = drafter
@@ -121,19 +121,19 @@ def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rou
     """verify_ms per tree size, level_ms per (k, v), extend_ms per v; draft forwards run between the timed
     target forwards, as in the engine (they evict the target's weights from the caches)."""
     target, drafter = model.base_model, model.drafter
-    device, backend = target.device, model.attention
+    device, run = target.device, model.plan.target
     ctx = context.to(device)
     hidden = target_hidden(model, ctx)
-    cache = TreeCache.for_model(target, ctx.numel() + max(sizes))
+    cache = TreeCache.for_model(target, ctx.numel() + max(sizes), model.plan.target)
     decoder_forward(target, ctx, cache, causal_mask(0, ctx.numel(), device), torch.arange(ctx.numel(), device=device),
-                    backend)
+                    run)
     base = ctx.numel()
     new = ctx[-1:].repeat(max(sizes))
     lm_head = target.get_output_embeddings()
 
     def verify(n):
         lm_head(decoder_forward(target, new[:n], cache, causal_mask(base, n, device),
-                                base + torch.arange(n, device=device), backend))
+                                base + torch.arange(n, device=device), run))
         cache.crop(base)
 
     setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
@@ -329,9 +329,9 @@ def measure_prefill(model, prompt: torch.Tensor, rounds: int, watch: TimingWatch
     lm_head = target.get_output_embeddings()
 
     def target_prefill():
-        cache = TreeCache.for_model(target, n)
+        cache = TreeCache.for_model(target, n, model.plan.target)
         lm_head(decoder_forward(target, ids, cache, causal_mask(0, n, target.device),
-                                torch.arange(n, device=target.device), model.attention)[-1:])
+                                torch.arange(n, device=target.device), model.plan.target)[-1:])
 
     def draft_prefill():
         drafter.reset(n + 1)

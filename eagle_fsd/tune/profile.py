@@ -52,7 +52,7 @@ class CostProfile:
 
         out = asdict(self)
         for name in _KEYED:
-            out[name] = keyed(getattr(self, name))
+            out[name] = keyed(out[name])
         return out
 
     @classmethod

@@ -21,9 +21,9 @@ def target_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     """The features the drafter reads over ids (n,) (the target's final-norm hidden states, or for EAGLE-3 those
     entering its feature layers), from an empty cache, by the model's attention backend."""
     target = model.base_model
-    cache = TreeCache.for_model(target, ids.numel())
+    cache = TreeCache.for_model(target, ids.numel(), model.plan.target)
     return decoder_outputs(target, ids, cache, causal_mask(0, ids.numel(), target.device),
-                           torch.arange(ids.numel(), device=target.device), model.attention,
+                           torch.arange(ids.numel(), device=target.device), model.plan.target,
                            model.drafter.feature_layers)[1]
 
 

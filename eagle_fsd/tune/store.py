@@ -13,10 +13,7 @@ import torch
 
 from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.files import cache_dir
-from eagle_fsd.fused_decoder import FUSED_VERSION, runs_fused
-from eagle_fsd.prepack import is_prepacked
-from eagle_fsd.quant import quant_bits
-from eagle_fsd.target_quant import int4_share, is_target_quantized, runs_int8_rows
+from eagle_fsd.fused_decoder import FUSED_VERSION
 from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measure
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import CPU_CAP_VARS, describe_age
@@ -25,30 +22,18 @@ TUNE_VERSION = 5  # 5: an LM drafter's catch-up timed over the one token it read
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
+    """What names a cost profile: the model and drafter, the machine's device and threads, torch, and the model's run
+    plan (dtype, weight formats, fused decoders: eagle_fsd.plan.RunPlan.key), which change every timing."""
     target = model.base_model
     drafter_id = drafter_name if isinstance(drafter_name, str) else type(model.drafter).__name__
     key = {"model": str(base_model), "drafter": str(drafter_id), "device": device_name(target.device),
            "dtype": dtype_name(target.dtype), "threads": torch.get_num_threads(),
-           "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION}
-    if is_prepacked(target):
-        key["prepacked"] = True
-    if is_target_quantized(target):
-        key["target_quant"] = "int4" if int4_share(target) else "int8"
-        if runs_int8_rows(target):  # its int8 layers run eagle_fsd.kernels.int8_rows, not FBGEMM
-            key["int8_kernel"] = "int8_rows"
+           "torch": torch.__version__.split("+")[0], "tune_version": TUNE_VERSION, "plan": model.plan.key()}
+    if model.plan.target.fused or (model.plan.drafter is not None and model.plan.drafter.fused):
+        key["fused_version"] = FUSED_VERSION  # the fused decoder forward (eagle_fsd.fused_decoder) times apart
     capped = {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ}
     if capped:  # an instruction-set cap changes every timing (e.g. emulating an AVX2-only CPU)
         key["cpu_caps"] = capped
-    if model.drafter is not None and quant_bits(model.drafter.module):
-        key["draft_bits"] = quant_bits(model.drafter.module)
-    if model.drafter is not None and is_target_quantized(model.drafter.module):
-        share = int4_share(model.drafter.module)  # the share too: all int4 or only the 4-bit layers time apart
-        key["draft_quant"] = f"int4 ({share:.0%})" if share else "int8"
-    drafter_model = getattr(model.drafter, "model", None)  # an LM drafter's
-    fused = [name for name, m in (("target", target), ("drafter", drafter_model)) if m is not None and runs_fused(m)]
-    if fused:  # the fused decoder forward (eagle_fsd.fused_decoder) times apart from transformers' forward
-        key["fused_decoder"] = fused
-        key["fused_version"] = FUSED_VERSION
     if settings is not None and settings != TuneSettings():
         key["settings"] = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     return key
@@ -72,10 +57,11 @@ def read_profile(path: Path) -> CostProfile | None:
     return profile
 
 
-def write_profile(path: Path, key: dict, profile: CostProfile) -> None:
+def write_profile(path: Path, key: dict, profile: CostProfile, plan: dict | None = None) -> None:
+    """The profile, under its key, with the run plan it was measured for (eagle_fsd.plan.RunPlan.to_json)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "profile": profile.to_json()}, indent=1))
+    tmp.write_text(json.dumps({"key": key, "plan": plan, "profile": profile.to_json()}, indent=1))
     tmp.replace(path)
 
 
@@ -94,7 +80,7 @@ def load_or_measure(model, base_model, drafter_name, progress: bool = True, sett
             print(f"eagle-fsd: cost profile {path}, measured {age(cached)} ago" + (f"; {found}" if found else ""),
                   file=sys.stderr)
         if profile is not cached and profile.conditions.get("busy") is None:
-            write_profile(path, key, profile)
+            write_profile(path, key, profile, model.plan.to_json())
         return profile, path
     if progress:
         print(f"eagle-fsd: measuring speculation costs on this machine ({key['device']}, {key['dtype']}, "
@@ -108,7 +94,7 @@ def load_or_measure(model, base_model, drafter_name, progress: bool = True, sett
         return profile, path
     if busy is not None:
         print(f"eagle-fsd: caching a profile timed on a busy machine ({busy}), as --force asks", file=sys.stderr)
-    write_profile(path, key, profile)
+    write_profile(path, key, profile, model.plan.to_json())
     return profile, path
 
 

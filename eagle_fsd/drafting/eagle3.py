@@ -41,10 +41,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from eagle_fsd.attention import ForwardState, check_attention_support
-from eagle_fsd.cache import TreeCache
-from eagle_fsd.drafters import Drafter, load_weights, read_head_files
-from eagle_fsd.hf import cache_kwargs, causal_mask, prefix_tree_mask
+from eagle_fsd.attention import ForwardState
+from eagle_fsd.drafting.base import HeadDrafter
+from eagle_fsd.drafting.head_io import HeadModule, load_weights, read_head_files
+from eagle_fsd.hf import cache_kwargs
 
 LAYOUTS = ("eagle", "sglang", "speculators")
 SGLANG_ARCH, SPECULATORS_ARCH = "LlamaForCausalLMEagle3", "Eagle3Speculator"
@@ -63,7 +63,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
         self.self_attn = LlamaAttention(config, layer_idx=0)
         for name in ("q_proj", "k_proj", "v_proj"):  # the queries, keys and values read 2H
-            out_features = getattr(self.self_attn, name).out_features
+            out_features = self.self_attn.get_submodule(name).out_features
             setattr(self.self_attn, name, nn.Linear(2 * hidden, out_features, bias=config.attention_bias))
         if o_proj_bias and self.self_attn.o_proj.bias is None:  # SGLang heads with "bias": true (see eagle3_export)
             o_proj = self.self_attn.o_proj
@@ -83,7 +83,7 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(HeadModule):
     """EAGLE-3 draft head: fc over the concatenated target features, one Eagle3Layer, final norm, lm_head over the
     draft vocabulary, and the buffers d2t / t2d mapping draft ids to target ids. Its own embedding only when the
     checkpoint has one (heads whose hidden size differs from the target's)."""
@@ -108,13 +108,6 @@ class Eagle3Head(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return self.lm_head.out_features
-
-    def cast(self, dtype: torch.dtype) -> "Eagle3Head":
-        """Cast the weights; the rotary frequencies stay fp32 as the target's do, d2t / t2d stay integer."""
-        for module in (self.embed_tokens, self.fc, self.midlayer, self.norm, self.lm_head):
-            if module is not None:
-                module.to(dtype)
-        return self
 
     def draft_to_target_ids(self) -> torch.Tensor:
         """(draft_vocab,) long: the target id of each draft id, draft id + d2t[draft id]."""
@@ -332,37 +325,33 @@ class OwnVocabulary:
             raise ValueError("an EAGLE-3 head drafts over its own draft vocabulary (d2t); it cannot be reduced")
 
 
-class Eagle3Drafter(Drafter):
-    """Drafts with an EAGLE-3 head (the Drafter contract of eagle_fsd.drafters): target_hidden is the (T, k * H)
+class Eagle3Drafter(HeadDrafter):
+    """Drafts with an EAGLE-3 head (the Drafter contract of eagle_fsd.drafting.base): target_hidden is the (T, k * H)
     concatenation of the target's hidden states at `feature_layers` (output_hidden_states indices, what the engine
     captures for it); tree levels feed the draft's own (H,) state. draft_vocab: the target ids of the head's draft
-    vocabulary (None when it is the full one). attention: the head's backend (eagle_fsd.attention)."""
+    vocabulary (None when it is the full one)."""
     reducible_vocab = False  # the draft vocabulary is the head's own (d2t): the tuner does not cut it
 
-    def __init__(self, head: Eagle3Head, target: nn.Module, feature_layers: tuple[int, ...] | None = None,
-                 attention: str = "auto"):
-        if head.fc.weight.dtype != target.dtype:
-            raise ValueError(f"EAGLE-3 head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; cast the "
-                             "head with head.cast(target.dtype)")
-        check_attention_support(target.config)
+    def __init__(self, head: Eagle3Head, target: nn.Module, feature_layers: tuple[int, ...] | None = None):
+        ids = head.draft_to_target_ids()
+        full = ids.numel() == target.config.vocab_size and bool((ids == torch.arange(ids.numel())).all())
+        super().__init__(head, target, OwnVocabulary(None if full else ids), "EAGLE-3 head")
         layers = target.config.num_hidden_layers
         self.feature_layers = tuple(feature_layers or default_aux_indices(layers))
         if max(self.feature_layers) >= layers:
             raise ValueError(f"EAGLE-3 feature layers {self.feature_layers}: index {layers} (the last layer's output "
                              "before the final norm) is not supported; use inputs of layers 0..N-1")
-        ids = head.draft_to_target_ids()
-        full = ids.numel() == target.config.vocab_size and bool((ids == torch.arange(ids.numel())).all())
-        super().__init__(OwnVocabulary(None if full else ids), attention)
-        self.head, self.target = head, target
         self.embed = head.embed_tokens if head.embed_tokens is not None else target.get_input_embeddings()
 
-    @property
-    def module(self) -> nn.Module:
-        return self.head
+    @classmethod
+    def load(cls, source: str, target: nn.Module, tokenizer=None) -> Eagle3Drafter:
+        """The drafter of the EAGLE-3 head at `source` (any of its layouts), checked against `target`."""
+        head, layers = load_eagle3_head(source, target)
+        return cls(head, target, layers)
 
     def _hidden(self, tokens, hidden, mask, positions):
         new_hidden = self.head.hidden(self.embed(tokens)[None], hidden[None], positions[None], mask, self.cache,
-                                      self.attention)[0]
+                                      self.run.backend)[0]
         return new_hidden, new_hidden
 
     def _logits(self, hidden):

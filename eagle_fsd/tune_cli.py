@@ -10,7 +10,6 @@ from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.loading import drafter_name as preset_drafter_name
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.target_quant import weights_label
 from eagle_fsd.settings import DTYPE_NAMES, add_kernel_args
 from eagle_fsd.tune.dtype import forget_races
 from eagle_fsd.tune.measure import TuneSettings
@@ -56,8 +55,7 @@ def main(argv=None) -> int:
     cached = read_profile(path)
     written = cached is not None and cached.conditions.get("measured_at") == profile.conditions.get("measured_at")
     print(f"cost profile: {path}" + ("" if written else " (not written: timed on a busy machine)"))
-    print(f"target weights: {weights_label(model.base_model)} (--target-quant); drafter weights: "
-          f"{weights_label(model.drafter.module)} (--draft-quant)")
+    print(f"run plan: {model.plan.summary()} (--target-quant, --prepack, --draft-quant)")
     print(format_profile(profile, args.top))
     if args.plot:
         plot_cost_curves({f"{args.model} ({dtype_name(model.base_model.dtype)})": profile}, args.plot)

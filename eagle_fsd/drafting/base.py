@@ -1,7 +1,9 @@
-"""Drafters: an EAGLE-1/2 head or any causal LM sharing the target's tokenizer (EAGLE-3: eagle_fsd.eagle3), the
-Drafter base they share, and the EAGLE-2 tree growth.
+"""The proposer contract and what every drafter shares: the draft lm_head over a draft vocabulary, the drafter's
+cache bookkeeping, the catch-up of what it has not read, and the EAGLE-2 tree growth.
 
-A drafter (Drafter) keeps its own cache of committed context and offers:
+A proposer offers `session(max_len, prompt, root, features)` for one generate call: the session drafts the tree of a
+step (`draft`) and reads the step's emitted tokens (`read`). `Plain` proposes the root alone (plain decoding); a
+`Drafter` grows an EAGLE-2 tree. A drafter keeps its own cache of committed context and offers:
   prefill(prompt_ids, root, target_hidden) / extend(tokens, target_hidden) -> (draft logits at the root, root state)
   forward_level(tokens, parent_state, level, level_mask) -> (draft logits at each node, node states)
   rollback()  -- drop the scratch entries of the tree levels; rewind(length) -- forget the context after `length`
@@ -12,141 +14,23 @@ length + s for both kinds (EAGLE pairs feature f_t with token x_{t+1}, one input
 """
 from __future__ import annotations
 
-import json
-import os
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from eagle_fsd.attention import ForwardState, check_attention_support
+from eagle_fsd.attention import check_attention_support
 from eagle_fsd.cache import TreeCache
-from eagle_fsd.fused_decoder import fused_decoder_forward, runs_fused
-from eagle_fsd.hf import cache_kwargs, causal_mask, decoder_forward, prefix_tree_mask
+from eagle_fsd.hf import causal_mask, prefix_tree_mask
+from eagle_fsd.plan import ModelRun
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, own_product
-from eagle_fsd.tree.dynamic import DraftTree, grow_pool, select_tree
+from eagle_fsd.tree.dynamic import DraftTree, chain_tree, grow_pool, select_tree
 from eagle_fsd.tree.shape import TreeShape
 
-
-class EagleHead(nn.Module):
-    """EAGLE-1/2 draft head: fc(2H -> H) over [token embedding, target feature], then one Llama decoder layer
-    without input layernorm. No embedding or lm_head of its own: both are the target's."""
-
-    def __init__(self, config: LlamaConfig, bias: bool = True, qkv_bias: bool = False):
-        super().__init__()
-        self.config = config
-        hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
-        layer = LlamaDecoderLayer(config, layer_idx=0)
-        layer.input_layernorm = nn.Identity()
-        if qkv_bias:  # Qwen2-style heads: bias on q, k, v only
-            attn = layer.self_attn
-            for name in ("q_proj", "k_proj", "v_proj"):
-                old = getattr(attn, name)
-                setattr(attn, name, nn.Linear(old.in_features, old.out_features, bias=True))
-        self.layers = nn.ModuleList([layer])
-        self.rotary_emb = LlamaRotaryEmbedding(config)
-
-    def cast(self, dtype: torch.dtype) -> "EagleHead":
-        """Cast the weights, keeping the rotary frequencies in fp32 as the target's are (a bf16 inv_freq would let
-        the draft's RoPE angles drift away from the target's as positions grow)."""
-        self.fc.to(dtype)
-        self.layers.to(dtype)
-        return self
-
-    def forward(self, token_embeds, features, position_ids, attention_mask, cache=None, backend: str = "auto"):
-        """token_embeds, features (B, T, H) -> draft features (B, T, H); attention by `backend` (eagle_fsd.attention)."""
-        hidden = self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        layer = self.layers[0]
-        out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                    position_embeddings=position_embeddings, eagle_fsd_forward=ForwardState(backend),
-                    **cache_kwargs(layer, cache))
-        return out[0] if isinstance(out, tuple) else out
-
-
-def head_file(path: str, name: str) -> str | None:
-    """Path of one head file in a local dir, or from the hub (cache first, so that offline use works)."""
-    if os.path.isdir(path):
-        local = os.path.join(path, name)
-        return local if os.path.isfile(local) else None
-    if path.startswith(("/", ".", "~")) or os.sep + os.sep in path:
-        raise FileNotFoundError(f"EAGLE head directory {path!r} does not exist")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        return hf_hub_download(path, name)
-    except EntryNotFoundError:
-        return None
-    except Exception as err:
-        raise FileNotFoundError(f"EAGLE head {path!r} is neither a local directory nor a reachable hub repo "
-                                f"({type(err).__name__}); pass a directory holding config.json and "
-                                "model.safetensors or pytorch_model.bin") from err
-
-
-def read_head_config(path: str) -> dict:
-    """config.json of an EAGLE head (local dir or hub id)."""
-    config_file = head_file(path, "config.json")
-    if config_file is None:
-        raise FileNotFoundError(f"EAGLE head {path!r} has no config.json")
-    with open(config_file) as f:
-        return json.load(f)
-
-
-def read_head_files(path: str):
-    """config dict and state dict of a published EAGLE head (local dir or hub id)."""
-    config = read_head_config(path)
-    if (weights := head_file(path, "model.safetensors")) is not None:
-        return config, load_file(weights)
-    if (weights := head_file(path, "pytorch_model.bin")) is not None:
-        return config, torch.load(weights, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"EAGLE head {path!r} has neither model.safetensors nor pytorch_model.bin")
-
-
-def head_config(raw: dict) -> tuple[LlamaConfig, bool, bool]:
-    keys = {k: v for k, v in raw.items() if k not in ("bias", "qkv_bias", "architectures")}
-    config = LlamaConfig(**keys)
-    config.num_hidden_layers = 1
-    return config, bool(raw.get("bias", True)), bool(raw.get("qkv_bias", False))
-
-
-def load_eagle_head(path: str, target: nn.Module) -> EagleHead:
-    """Load a head in the published EAGLE-1/2 layout and check it fits `target`."""
-    raw, state = read_head_files(path)
-    config, bias, qkv_bias = head_config(raw)
-    target_cfg = target.config
-    vocab, hidden = target.get_input_embeddings().weight.shape
-    if config.hidden_size != hidden:
-        raise ValueError(f"EAGLE head {path!r} has hidden_size {config.hidden_size} but the target has {hidden}: "
-                         "this head was trained for another model")
-    if config.vocab_size != vocab:
-        raise ValueError(f"EAGLE head {path!r} has vocab_size {config.vocab_size} but the target has {vocab}: "
-                         "this head was trained for another model")
-    emb = state.pop("embed_tokens.weight", None)
-    if emb is not None and tuple(emb.shape) != (vocab, hidden):
-        raise ValueError(f"EAGLE head {path!r} embedding shape {tuple(emb.shape)} != target's {(vocab, hidden)}")
-    config._attn_implementation = target_cfg._attn_implementation
-    head = EagleHead(config, bias=bias, qkv_bias=qkv_bias)
-    load_weights(head, state, f"EAGLE head {path!r}", "EAGLE-1/2")
-    return head.cast(target.dtype).to(target.device).eval()
-
-
-def load_weights(head: nn.Module, state: dict, what: str, layout: str) -> None:
-    """Load `state` into `head` exactly; ValueError naming `what` and `layout` for misshapen, missing or unexpected
-    weights."""
-    try:
-        missing, unexpected = head.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # wrong tensor shapes
-        raise ValueError(f"{what} does not fit the {layout} layout for this config: {err}") from err
-    if missing or unexpected:
-        raise ValueError(f"{what} does not match the {layout} layout: missing {missing}, unexpected {unexpected}")
+DRAFTING = ModelRun(exact=False)  # a drafter's run until the loader plans it
 
 
 class DraftHead:
@@ -175,7 +59,7 @@ class DraftHead:
                              f"{int(ids.max()) if ids.numel() else '-'}]")
         self.draft_vocab = ids
         self.weight = weight.detach()[ids].contiguous()
-        bias = getattr(self.lm_head, "bias", None)
+        bias = self.lm_head.bias
         self.bias = None if bias is None else bias.detach()[ids].contiguous()
         self.packed = pack_weight(self.weight) if isinstance(self.lm_head, PackedLinear) else None
         bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
@@ -191,11 +75,9 @@ class DraftHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.draft_vocab is not None:
-            if self.quant is not None:  # the slice runs as the full head is told to (unpacked, original_weights)
-                self.quant.use_packed = self.lm_head.use_packed
-                self.quant.use_quant = getattr(self.lm_head, "use_quant", True)
+            if self.quant is not None:
                 return self.quant(hidden)
-            if self.packed is not None and self.lm_head.use_packed:
+            if self.packed is not None:
                 return packed_linear(hidden, self.packed, self.bias)
             return F.linear(hidden, self.weight, self.bias)
         logits = self.lm_head(hidden)
@@ -222,18 +104,35 @@ class Drafter:
                         instead of read again
       reducible_vocab   the tuner may cut the draft vocabulary to the most frequent tokens (FR-Spec)
       auto_quant        draft_quant "auto" may round its weights to int4 (an LM: big, with its own lm_head)
+      is_decoder        its module is a transformers decoder (which eagle_fsd.fused_decoder may run)
       assistant_model   a causal LM HF assisted generation can draft with (None: none)"""
 
     feature_layers: tuple[int, ...] | None = None
     reads_features = True
     reducible_vocab = True
     auto_quant = False
+    is_decoder = False
     assistant_model: nn.Module | None = None
     cache_layers = 1
 
-    def __init__(self, draft_head, attention: str = "auto"):
-        self.draft_head, self.attention = draft_head, attention
+    def __init__(self, draft_head, run: ModelRun = DRAFTING):
+        self.draft_head = draft_head
+        self.run = run  # how its forwards run (eagle_fsd.plan): the loader's plan, set once it is made
         self.cache, self.length = None, 0
+
+    @property
+    def module(self) -> nn.Module:
+        """The drafter's own weights."""
+        raise NotImplementedError
+
+    def session(self, max_len: int, prompt: torch.Tensor, root: torch.Tensor, features: torch.Tensor) -> DraftSession:
+        """A generate call's drafting from the prompt it decodes (read at the first draft)."""
+        return DraftSession(self, max_len, prompt, root, features)
+
+    @staticmethod
+    def tree_room(shape: TreeShape) -> int:
+        """Cache entries a verification forward appends past the committed tokens."""
+        return shape.total_token + 1
 
     @property
     def draft_vocab(self) -> torch.Tensor | None:
@@ -299,58 +198,93 @@ class Drafter:
         return self.draft_head(hidden)
 
 
-class EagleDrafter(Drafter):
-    """Drafts with an EAGLE head: input at position t is (embed(x_{t+1}), feature f_t). attention: the head's
-    attention backend (eagle_fsd.attention)."""
+class HeadDrafter(Drafter):
+    """A drafter whose head reads the target's features: built for one target, in its dtype."""
 
-    def __init__(self, head: EagleHead, target: nn.Module, attention: str = "auto"):
+    def __init__(self, head: nn.Module, target: nn.Module, draft_head, what: str):
         if head.fc.weight.dtype != target.dtype:
-            raise ValueError(f"EAGLE head dtype {head.fc.weight.dtype} != target dtype {target.dtype}; "
-                             "cast the head with head.cast(target.dtype)")
-        if head.config.hidden_size != target.config.hidden_size:
-            raise ValueError(f"EAGLE head hidden_size {head.config.hidden_size} != target's {target.config.hidden_size}")
+            raise ValueError(f"{what} dtype {head.fc.weight.dtype} != target dtype {target.dtype}; cast the head "
+                             "with head.cast(target.dtype)")
         check_attention_support(target.config)
-        super().__init__(DraftHead(target, target.config.vocab_size), attention)
+        super().__init__(draft_head)
         self.head, self.target = head, target
-        self.embed = target.get_input_embeddings()
 
     @property
     def module(self) -> nn.Module:
-        """The drafter's own weights (the target's embedding and lm_head are the target's)."""
+        """The head's own weights (the target's embedding and lm_head are the target's)."""
         return self.head
 
-    def _hidden(self, tokens, features, mask, positions):
-        hidden = self.head(self.embed(tokens)[None], features[None], positions[None], mask, self.cache,
-                           self.attention)[0]
-        return hidden, hidden
+
+class DraftSession:
+    """One call's drafting. Where the drafter has read up to: its logits and state at the current root, and what it
+    has not read yet: the prompt until the first draft (a call the speed guard decodes plainly throughout never runs
+    the drafter), and the tokens decoded plainly since, with the target's hidden states (the guard skips drafting for
+    a while)."""
+
+    def __init__(self, drafter: Drafter, max_len: int, prompt: torch.Tensor, root: torch.Tensor,
+                 hidden: torch.Tensor):
+        self.drafter = drafter
+        drafter.reset(max_len)
+        self.unread_prompt: tuple | None = (prompt, root, hidden)
+        self.root_logits = self.root_state = None
+        self.behind: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def read_prompt(self) -> bool:
+        """Read the prompt if not yet read (the first draft's prefill); True when it did."""
+        if self.unread_prompt is None:
+            return False
+        self.root_logits, self.root_state = self.drafter.prefill(*self.unread_prompt)
+        self.unread_prompt = None
+        return True
+
+    def draft(self, root: torch.Tensor, shape: TreeShape, speculate: bool) -> DraftTree:
+        """The step's tree: grown from the root after the drafter caught up on what it missed (the prompt, the tokens
+        decoded plainly), or the root alone where the step decodes plainly."""
+        if not speculate:
+            return chain_tree(root.reshape(1))
+        self.read_prompt()
+        if self.behind:
+            self.root_logits, self.root_state = self.drafter.extend(torch.cat([t for t, _ in self.behind]),
+                                                                    torch.cat([h for _, h in self.behind]))
+            self.behind.clear()
+        return grow_tree(self.drafter, root, self.root_logits, self.root_state, shape)
+
+    def read(self, tokens: torch.Tensor, hidden: torch.Tensor, tree: DraftTree, path: torch.Tensor,
+             speculated: bool) -> None:
+        """The step's emitted tokens and their target hidden states: read now, or queued for the next draft. A drafter
+        that reads no features keeps the accepted chain's leading forwarded level entries (their scratch slots in the
+        tree) and reads only the rest."""
+        if not speculated:
+            self.behind.append((tokens, hidden))
+            return
+        kept = 0
+        if not self.drafter.reads_features:
+            slots = tree.level_slots(path)
+            kept = int((slots >= 0).cumprod(0).sum())
+            self.drafter.keep_levels(slots[:kept])
+        self.root_logits, self.root_state = self.drafter.extend(tokens[kept:], hidden[kept:])
 
 
-class LMDrafter(Drafter):
-    """Drafts with a small causal LM that shares the target's tokenizer (training-free). attention: its attention
-    backend (eagle_fsd.attention)."""
-    reads_features = False
-    auto_quant = True
+class Plain:
+    """Plain decoding as a proposer: each step's tree is the root alone, and there is nothing to read."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, attention: str = "auto"):
-        check_attention_support(model.config)
-        super().__init__(DraftHead(model, vocab_size), attention)  # cut or padded to the target's logit width
-        self.model = model
-        self.vocab_size = vocab_size
-        self.cache_layers = model.config.num_hidden_layers
+    feature_layers = None
 
-    @property
-    def module(self) -> nn.Module:
-        return self.model
+    def session(self, max_len: int, prompt: torch.Tensor, root: torch.Tensor, features: torch.Tensor) -> Plain:
+        return self
 
-    @property
-    def assistant_model(self) -> nn.Module:
-        return self.model
+    @staticmethod
+    def tree_room(shape: TreeShape) -> int:
+        return 1
 
-    def _hidden(self, tokens, target_hidden, mask, positions):
-        if runs_fused(self.model):  # its norms in C++ too: a drafter's rounding moves acceptance only
-            return fused_decoder_forward(self.model, tokens, self.cache, mask, positions, self.attention,
-                                         exact=False), None
-        return decoder_forward(self.model, tokens, self.cache, mask, positions, self.attention), None
+    def read_prompt(self) -> bool:
+        return False
+
+    def draft(self, root: torch.Tensor, shape: TreeShape, speculate: bool) -> DraftTree:
+        return chain_tree(root.reshape(1))
+
+    def read(self, tokens, hidden, tree, path, speculated) -> None:
+        pass
 
 
 def grow_tree(drafter: Drafter, root_token, root_logits, root_state, shape: TreeShape) -> DraftTree:
