@@ -5,6 +5,7 @@ tokens, 2 threads; plain decoding, lossless speculation and FSD kl_qp T = 2, que
     python benchmarks/plan_ab.py after.json                  # this checkout's install
     /tmp/venv-before/bin/python benchmarks/plan_ab.py before.json   # another version's install
     python benchmarks/plan_ab.py --compare before.json after.json
+    python benchmarks/plan_ab.py after.json 5,3,1,37888      # the tree pinned (no tuning, no speed guard)
 
 Writes {method: {"tokens": [[ids] per question], "seconds": [...], "tau": [...]}} and prints tokens/s per method.
 """
@@ -19,14 +20,15 @@ import torch
 QUESTIONS, NEW_TOKENS, THREADS = 10, 128, 2
 
 
-def measure(path: str) -> None:
+def measure(path: str, tree: str | None = None) -> None:
     from eagle_fsd.eval.data import load_questions
     from eagle_fsd.fsd import FsdConfig
     from eagle_fsd.model import EaFsdModel
     from eagle_fsd.prompts import PromptFormat
 
     torch.set_num_threads(THREADS)
-    model = EaFsdModel.from_pretrained("qwen2.5-coder-1.5b-instruct")
+    pinned = dict(zip(("total_token", "depth", "top_k", "draft_vocab"), map(int, tree.split(",")))) if tree else {}
+    model = EaFsdModel.from_pretrained("qwen2.5-coder-1.5b-instruct", **pinned)
     fmt = PromptFormat(model.tokenizer)
     prompts = [fmt.encode([{"role": "user", "content": q["turns"][0]}]) for q in load_questions()[:QUESTIONS]]
     fsd = FsdConfig(threshold=2.0, divergence="kl_qp")
@@ -63,4 +65,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--compare":
         compare(sys.argv[2], sys.argv[3])
     else:
-        measure(sys.argv[1])
+        measure(*sys.argv[1:3])

@@ -263,6 +263,7 @@ class EaFsdModel(torch.nn.Module):
         """The loop: each step drafts a tree (the root alone where it decodes plainly), verifies it in one target
         forward, accepts the longest branch the rule takes and emits it; the proposer then reads what was emitted."""
         state = self._prefill(input_ids, proposer, request, steps)
+        steps.start_steps()
         while not state.done:
             speculate = steps.speculate()
             if speculate and state.session.read_prompt():

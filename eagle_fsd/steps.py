@@ -65,10 +65,16 @@ class StepPolicy:
     counted for it); profile: synchronise the clock's laps on CUDA."""
 
     def __init__(self, shape: TreeShape, guard: SpeedGuard, speculative: bool, profile: bool = False):
-        self.shape, self.guard, self.speculative = shape, guard, speculative
+        self.shape, self.guard, self.speculative, self.profile = shape, guard, speculative, profile
+        self.start = time.perf_counter()  # the call's wall time counts from here, the prompt's prefill included
         self.clock = PhaseClock(sync=profile)
-        self.start = self.step_start = self.clock.last
-        self.verify_seconds = 0.0
+        self.step_start, self.verify_seconds = self.clock.last, 0.0
+
+    def start_steps(self) -> None:
+        """The phase clock starts after the prefill: phase_seconds are the steps' time (the target's prefill is a
+        call's cost, not a step's)."""
+        self.clock = PhaseClock(sync=self.profile)
+        self.step_start = self.clock.last
 
     def speculate(self) -> bool:
         """Whether the next step drafts a tree (else the root alone)."""
