@@ -8,6 +8,16 @@ and hence one target and one draft distribution:
   original:  if D_n <= T accept the top-ranked child, whatever the target chose; else stop and emit the target's
              sample at n (no residual; for the paper's parity). T = inf accepts the top-ranked child always.
 A NaN D_n (a node whose divergence was not computed) never accepts fuzzily, at any T.
+
+Guards narrow where the rule may act (each an FsdConfig field, off by default; a guarded node keeps the lossless rule
+in the reducible mode, and stops with the target's choice in the original mode, as a node with D_n above T does):
+  keep_stop    where the target's own choice at n is a stop token (EOS, end of turn), no fuzzy acceptance: a reply
+               does not run on past where the target would end it;
+  top_r        the top-ranked child only if it is within the target's top r tokens at n;
+  margin       the top-ranked child only if log p_n(child) >= max log p_n - margin (nats);
+  min_entropy  only where the target's own entropy H(p_n) > h (nats): a confident target keeps its choice.
+p_n here is the target's raw distribution (temperature 1, the tokenizer's vocabulary). T = 0 is lossless with any
+guard.
 The top-ranked child is the one with the highest draft score (EAGLE's first sibling, argmax q_n when it survived
 pruning): FSD's premise is that when q_n is close to p_n, the draft's own best guess is an acceptable token.
 
@@ -75,7 +85,9 @@ class FsdConfig:
     distributions: "raw" (temperature 1, full vocabulary; the paper's setting) or "processed" (after temperature /
     top-k / top-p). top_k: the divergence over the target's top-K tokens plus one rest bucket (None = full vocab).
     exact_prefix: the first L new tokens of each reply are verified losslessly (never fuzzy, at any T): lossy
-    acceptance can weaken a reply's opening, where refusals and format decisions are made."""
+    acceptance can weaken a reply's opening, where refusals and format decisions are made.
+    Guards (module docstring): keep_stop, top_r (int >= 1), margin (nats >= 0), min_entropy (nats >= 0); None / False
+    is off."""
 
     threshold: float | None = None
     divergence: str = "kl_qp"
@@ -83,6 +95,10 @@ class FsdConfig:
     distributions: str = "raw"
     top_k: int | None = None
     exact_prefix: int = 0
+    keep_stop: bool = False
+    top_r: int | None = None
+    margin: float | None = None
+    min_entropy: float | None = None
 
     def __post_init__(self):
         t = self.threshold
@@ -101,6 +117,20 @@ class FsdConfig:
         if not isinstance(self.exact_prefix, int) or self.exact_prefix < 0:
             raise ValueError(f"fsd_exact_prefix={self.exact_prefix!r} must be an int >= 0 (the number of new tokens "
                              "verified losslessly before FSD may accept; 0 = none)")
+        if self.top_r is not None and (not isinstance(self.top_r, int) or isinstance(self.top_r, bool)
+                                       or self.top_r < 1):
+            raise ValueError(f"fsd_top_r={self.top_r!r} must be an int >= 1 (a fuzzy acceptance only for a draft "
+                             "within the target's top r tokens) or None (off)")
+        for name in ("margin", "min_entropy"):
+            value = self.margin if name == "margin" else self.min_entropy
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or math.isnan(value) or value < 0):
+                raise ValueError(f"fsd_{name}={value!r} must be a number of nats >= 0, or None (off)")
+
+    @property
+    def guarded(self) -> bool:
+        """Some guard narrows where the rule acts."""
+        return self.keep_stop or self.top_r is not None or self.margin is not None or self.min_entropy is not None
 
     @property
     def active(self) -> bool:
@@ -152,6 +182,41 @@ def node_divergences(tree: DraftTree, target_logits: torch.Tensor, fsd: FsdConfi
     return out.index_put_((nodes,), divergence(target, draft, fsd.divergence, top_k=fsd.top_k))
 
 
+def fuzzy_allowed(target_logits: torch.Tensor, candidates: torch.Tensor, target_choice: torch.Tensor, fsd: FsdConfig,
+                  vocab_size: int, stop_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) bool: where FsdConfig's guards let a fuzzy acceptance happen (all True with no guard on). Row i: the
+    target's logits (V,) at a position, the candidate token the rule would accept there (a node's top-ranked child,
+    a chain's draft; -1: none) and the target's own choice; stop_ids: the stop tokens (keep_stop)."""
+    allowed = torch.ones(candidates.shape, dtype=torch.bool, device=candidates.device)
+    if fsd.keep_stop and stop_ids is not None and stop_ids.numel():
+        allowed &= ~torch.isin(target_choice, stop_ids.to(target_choice.device))
+    if fsd.top_r is None and fsd.margin is None and fsd.min_entropy is None:
+        return allowed
+    logp = torch.log_softmax(target_logits[:, :vocab_size].float(), dim=-1)
+    if fsd.min_entropy is not None:  # H(p) = -sum p log p, with 0 log 0 = 0
+        allowed &= torch.special.entr(logp.exp()).sum(-1) > fsd.min_entropy
+    if fsd.top_r is not None or fsd.margin is not None:
+        inside = (candidates >= 0) & (candidates < vocab_size)
+        chosen = logp.gather(1, candidates.clamp(0, vocab_size - 1)[:, None])[:, 0]
+        if fsd.top_r is not None:  # rank = how many tokens the target prefers strictly
+            allowed &= inside & ((logp > chosen[:, None]).sum(-1) < fsd.top_r)
+        if fsd.margin is not None:
+            allowed &= inside & (chosen >= logp.max(-1).values - fsd.margin)
+    return allowed
+
+
+def guarded_divergences(tree: DraftTree, target_logits: torch.Tensor, target_choice: torch.Tensor,
+                        divergences: torch.Tensor, fsd: FsdConfig, vocab_size: int,
+                        stop_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The divergences the rule reads: NaN (never fuzzy) at nodes a guard closes."""
+    if not fsd.guarded:
+        return divergences
+    child = top_child(tree)
+    candidates = torch.where(child >= 0, tree.tokens[child.clamp(min=0)], -1)
+    allowed = fuzzy_allowed(target_logits, candidates, target_choice, fsd, vocab_size, stop_ids)
+    return torch.where(allowed, divergences, math.nan)
+
+
 def exact_depth(fsd: FsdConfig, emitted: int) -> int:
     """Nodes shallower than this keep the lossless rule. The root is the reply's token emitted - 1, so a child of a
     node at depth d becomes token emitted + d; it must be exact while emitted + d < exact_prefix."""
@@ -167,16 +232,19 @@ def keep_exact(tree: DraftTree, target_choice: torch.Tensor, choice: torch.Tenso
 
 
 def fsd_accept(tree: DraftTree, target_logits: torch.Tensor, target_choice: torch.Tensor, fsd: FsdConfig | None,
-               vocab_size: int, processor=None, emitted: int = 0) -> Step:
+               vocab_size: int, processor=None, emitted: int = 0, stop_ids: torch.Tensor | None = None) -> Step:
     """One verification step's acceptance: the lossless walk, relaxed by the FSD rule when FSD is on.
-    emitted: new tokens of this reply before the step's tree (its root included), for FsdConfig.exact_prefix."""
+    emitted: new tokens of this reply before the step's tree (its root included), for FsdConfig.exact_prefix;
+    stop_ids: the reply's stop tokens, for FsdConfig.keep_stop. The step records the divergences as computed (a
+    guard's closing of a node is not a divergence)."""
     if fsd is None or not fsd.active or tree.size == 1:
         return accept(tree, target_choice)
     exact = exact_depth(fsd, emitted)
     if exact >= tree.ancestors.shape[1] - 1:  # every parent in the tree is inside the exact prefix
         return accept(tree, target_choice)
     divergences = node_divergences(tree, target_logits, fsd, vocab_size, processor)
-    choice, blocked = fuzzy_choices(tree, target_choice, divergences, fsd.threshold, fsd.mode)
+    ruled = guarded_divergences(tree, target_logits, target_choice, divergences, fsd, vocab_size, stop_ids)
+    choice, blocked = fuzzy_choices(tree, target_choice, ruled, fsd.threshold, fsd.mode)
     if exact:
         choice, blocked = keep_exact(tree, target_choice, choice, blocked, exact)
     return accept(tree, choice, blocked, target_choice, divergences)

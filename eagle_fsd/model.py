@@ -35,6 +35,11 @@ class Request:
     streamer: object = None
     fsd: FsdConfig | None = None
 
+    @property
+    def stop_ids(self) -> torch.Tensor:
+        """The stop tokens as a tensor (FsdConfig.keep_stop)."""
+        return torch.tensor(sorted(self.eos), dtype=torch.long)
+
 
 @dataclass
 class Decoding:
@@ -308,8 +313,9 @@ class EaFsdModel(torch.nn.Module):
         committed = cache.get_seq_length()
         logits, features = self._verify(tree, cache, self.drafter.feature_layers if steps.speculative else None)
         steps.lap("verify")
+        stop_ids = request.stop_ids if request.fsd is not None and request.fsd.keep_stop else None
         step = fsd_accept(tree, logits, choose_tokens(logits, request.processor), request.fsd, self.vocab_size,
-                          request.processor, emitted)
+                          request.processor, emitted, stop_ids)
         steps.lap("accept")
         if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
             cache.crop(committed + step.accept_length + 1)

@@ -117,7 +117,9 @@ class GenerationSettings:
 
 def fsd_from_args(args: argparse.Namespace) -> FsdConfig:
     """FsdConfig from the FSD flags; ValueError names a bad value."""
-    return FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode, exact_prefix=args.fsd_exact_prefix)
+    return FsdConfig(args.fsd_threshold, args.fsd_divergence, args.fsd_mode, exact_prefix=args.fsd_exact_prefix,
+                     keep_stop=args.fsd_keep_stop, top_r=args.fsd_top_r, margin=args.fsd_margin,
+                     min_entropy=args.fsd_min_entropy)
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,14 @@ def add_fsd_args(p: argparse.ArgumentParser, threshold_flag: bool = True, diverg
     p.add_argument("--fsd-mode", default="reducible", choices=list(FSD_MODES))
     p.add_argument("--fsd-exact-prefix", type=int, default=0, metavar="L",
                    help="verify the first L new tokens of a reply losslessly, FSD after them (default 0)")
+    p.add_argument("--fsd-keep-stop", action="store_true",
+                   help="guard: no fuzzy acceptance where the target's own choice is a stop token")
+    p.add_argument("--fsd-top-r", type=int, default=None, metavar="R",
+                   help="guard: a fuzzy acceptance only for a draft within the target's top R tokens")
+    p.add_argument("--fsd-margin", type=float, default=None, metavar="NATS",
+                   help="guard: a fuzzy acceptance only for a draft within NATS of the target's best log-probability")
+    p.add_argument("--fsd-min-entropy", type=float, default=None, metavar="NATS",
+                   help="guard: fuzzy acceptance only where the target's entropy exceeds NATS")
 
 
 def int_or_auto(text: str, minimum: int, expected: str):

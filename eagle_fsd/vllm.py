@@ -17,23 +17,26 @@ draft_sample_method="probabilistic" (the drafter at the request's temperature).
 
 Turning it on: `pip install eagle-fsd[vllm]` registers `register` under the `vllm.general_plugins` entry point,
 which vLLM calls in every process. Per request: SamplingParams(extra_args={"fsd_threshold": T, "fsd_divergence":
-"kl_qp"}); server-wide default: the environment variables EAGLE_FSD_THRESHOLD / EAGLE_FSD_DIVERGENCE. A request
+"kl_qp"}), and the guards of eagle_fsd.fsd as "fsd_keep_stop", "fsd_top_r", "fsd_margin", "fsd_min_entropy" (a
+position a guard closes keeps vLLM's lossless rule); server-wide default: the environment variables EAGLE_FSD_THRESHOLD / EAGLE_FSD_DIVERGENCE. A request
 with neither is untouched. vLLM has no acceptance hook, so the plugin wraps two methods, once each: the model
 runner's `_sample` (where the rule runs) and the proposer's `_sample_draft_tokens` (to keep q). Token logprobs of
 a request with FSD on are vLLM's for its lossless tokens only.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from eagle_fsd.divergence import divergence
-from eagle_fsd.fsd import FsdConfig, reducible_chain
+from eagle_fsd.fsd import FsdConfig, fuzzy_allowed, reducible_chain
 
 SUPPORTED_VLLM = ("0.32",)  # major.minor releases whose runner and proposer this plugin wraps
 THRESHOLD_ENV, DIVERGENCE_ENV = "EAGLE_FSD_THRESHOLD", "EAGLE_FSD_DIVERGENCE"
+GUARDS = ("keep_stop", "top_r", "margin", "min_entropy")  # FsdConfig's guards, as extra_args "fsd_keep_stop", ...
 _WRAPPED = "_eagle_fsd_wrapped"
 
 
@@ -58,7 +61,8 @@ def request_fsd(extra_args: dict | None, environ=os.environ) -> FsdConfig | None
     except (TypeError, ValueError):
         raise ValueError(f"fsd_threshold={threshold!r} must be a number >= 0 (SamplingParams.extra_args or "
                          f"{THRESHOLD_ENV})") from None
-    return FsdConfig(threshold=threshold, divergence=name)
+    guards = {name: extra_args[f"fsd_{name}"] for name in GUARDS if f"fsd_{name}" in extra_args}
+    return FsdConfig(threshold=threshold, divergence=name, **guards)
 
 
 def lossless_verdicts(drafts: torch.Tensor, target_probs: torch.Tensor, lossless_q: torch.Tensor | None,
@@ -97,6 +101,7 @@ class DraftChain:
     draft_probs: torch.Tensor  # (n, V) q, for D
     lossless_q: torch.Tensor | None  # (n, V) the q' of vLLM's test; None: greedy drafting, q' one-hot
     bonus_probs: torch.Tensor  # (V,) the target's next distribution after the last draft
+    stop_ids: torch.Tensor | None = None  # the request's stop tokens (FsdConfig.keep_stop)
 
 
 def fuzzy_chain(kept: list[int], chain: DraftChain, fsd: FsdConfig, greedy: bool,
@@ -108,6 +113,10 @@ def fuzzy_chain(kept: list[int], chain: DraftChain, fsd: FsdConfig, greedy: bool
     if start >= n:
         return kept
     d = divergence(chain.target_logits[start:], chain.draft_probs[start:].log(), fsd.divergence)
+    if fsd.guarded:  # a closed position keeps vLLM's lossless rule (NaN is never under T)
+        logits = chain.target_logits[start:]
+        allowed = fuzzy_allowed(logits, drafts[start:], logits.argmax(-1), fsd, logits.shape[-1], chain.stop_ids)
+        d = torch.where(allowed, d, math.nan)
     if not bool(reducible_chain(torch.tensor([False]), d[:1], fsd.threshold)):
         return kept  # vLLM's rejection stands (nothing drawn: T = 0 leaves every random stream as vLLM left it)
     verdicts = lossless_verdicts(drafts[start:], chain.target_probs[start:],
@@ -133,6 +142,12 @@ def _request_settings(runner) -> list[FsdConfig | None]:
         params = runner.requests[req_id].sampling_params
         settings.append(request_fsd(getattr(params, "extra_args", None)))
     return settings
+
+
+def _stop_ids(runner, row: int) -> torch.Tensor:
+    """The request's stop tokens (EOS included, as vLLM stops on them): SamplingParams.all_stop_token_ids."""
+    params = runner.requests[runner.input_batch.req_ids[row]].sampling_params
+    return torch.tensor(sorted(params.all_stop_token_ids), dtype=torch.long)
 
 
 def _target_probs(runner, raw: torch.Tensor, metadata, sampling_metadata) -> torch.Tensor:
@@ -195,7 +210,8 @@ def _fsd_sample(runner, original, logits, metadata):
         greedy = sampling_metadata.all_greedy or float(sampling_metadata.temperature[row]) == 0.0
         chain = DraftChain(metadata.draft_token_ids[span].long(), raw[span], target_probs[span], draft_probs[span],
                            None if lossless_q is None else lossless_q[span],
-                           _bonus_probs(bonus_raw[row], row, sampling_metadata))
+                           _bonus_probs(bonus_raw[row], row, sampling_metadata),
+                           _stop_ids(runner, row) if fsd.keep_stop else None)
         new = fuzzy_chain(kept, chain, fsd, greedy, sampling_metadata.generators.get(row))
         tokens[row] = -1
         tokens[row, :len(new)] = torch.tensor(new, dtype=tokens.dtype)

@@ -297,6 +297,10 @@ def summarize_rows(totals, per_question, questions: int) -> list[dict]:
             row["tau"] = round(t["tokens"] / t["steps"], 3)
         if "fuzzy" in t:  # the engine's own rows
             row["fuzzy_fraction"] = round(t["fuzzy"] / max(t["accepted"], 1), 3)
+        if name.startswith("fsd") and "eagle-fsd" in totals:  # per answer: what a user waits for, longer replies too
+            lossless = totals["eagle-fsd"]
+            row["answer_time_vs_lossless"] = round(lossless["seconds"] / t["seconds"], 3)
+            row["length_vs_lossless"] = round(t["tokens"] / lossless["tokens"], 3)
             row["plain_steps"] = int(t["plain_steps"])
             row["phase_seconds"] = {p: round(t[f"phase_{p}"], 2) for p in PHASES if f"phase_{p}" in t}
         if name != "hf-generate" and not lossy(name):
@@ -364,6 +368,10 @@ def print_table(result: dict) -> None:
         print(f"cost model: predicted {result['predicted_speedup_over_plain']:.2f}x over plain for these prompts and "
               f"tokens ({result['predicted_speedup_over_plain_per_token']:.2f}x per new token, prefill aside), "
               f"measured {result.get('measured_speedup_over_plain', float('nan')):.2f}x")
+    for r in result["rows"]:
+        if "answer_time_vs_lossless" in r:
+            print(f"{r['method']} per answer: {r['answer_time_vs_lossless']:.2f}x lossless time to the finished "
+                  f"replies, replies {r['length_vs_lossless']:.2f}x as long")
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")

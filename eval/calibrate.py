@@ -85,12 +85,42 @@ def choose_by_accuracy(scores: dict[str, dict], arms: list[sweep.Arm], keys: lis
 
 
 def families(arms: list[sweep.Arm]) -> dict[tuple[str, str], list[sweep.Arm]]:
-    """The FSD arms grouped by (divergence, rule)."""
+    """The FSD arms grouped by (divergence, rule); arms with guards (eagle_fsd.fsd) form families of their own, their
+    divergence named with the guards ("kl_qp+stop")."""
     groups: dict[tuple[str, str], list[sweep.Arm]] = {}
     for arm in arms:
         if arm.fsd is not None:
-            groups.setdefault((arm.fsd.divergence, arm.fsd.mode), []).append(arm)
+            name = arm.fsd.divergence + sweep.guard_label(guards_of(arm.fsd))
+            groups.setdefault((name, arm.fsd.mode), []).append(arm)
     return groups
+
+
+def guards_of(fsd: FsdConfig) -> dict:
+    """The guard fields of an FsdConfig that are on."""
+    fields = {"keep_stop": fsd.keep_stop, "top_r": fsd.top_r, "margin": fsd.margin, "min_entropy": fsd.min_entropy}
+    return {name: value for name, value in fields.items() if value not in (None, False)}
+
+
+def answer_time_ratios(times: dict[str, dict], members: list[sweep.Arm], keys: list) -> dict[float, float]:
+    """{T: time per answer × lossless} of each arm over the problems in `keys` both answered: Σ lossless seconds /
+    Σ the arm's (> 1: the arm finishes answers sooner)."""
+    lossless, ratios = times.get(sweep.LOSSLESS, {}), {}
+    for arm in members:
+        shared = [k for k in keys if k in lossless and k in times.get(arm.label, {})]
+        seconds = sum(times[arm.label][k] for k in shared)
+        if shared and seconds:
+            ratios[arm.fsd.threshold] = sum(lossless[k] for k in shared) / seconds
+    return ratios
+
+
+def recommended(trials: list[Trial], ratios: dict[float, float]) -> float | None:
+    """Among the thresholds that passed, the one with the best time per answer (not tokens/s: replies that grow
+    cost time); the largest passing T where none was timed, None where none passed."""
+    passed = [t.threshold for t in trials if t.passed]
+    timed = [t for t in passed if t in ratios]
+    if timed:
+        return max(timed, key=ratios.__getitem__)
+    return passed[-1] if passed else None
 
 
 def extra_nll(lossless: dict, arm: dict, confidence: float = 0.95) -> tuple[float, float, float]:
@@ -137,10 +167,11 @@ def run_arms(job: sweep.SweepJob, problems: dict, arms: list[sweep.Arm], records
         sweep.run_todo(replace(job, warmup=False), todo, records, model)
 
 
-def scores_of(records: list[dict]) -> dict[str, dict]:
+def scores_of(records: list[dict], field: str = "correct") -> dict[str, dict]:
+    """{method: {(bench, task_id): record[field]}}."""
     table: dict[str, dict] = {}
     for r in records:
-        table.setdefault(r["method"], {})[(r["bench"], r["task_id"])] = r["correct"]
+        table.setdefault(r["method"], {})[(r["bench"], r["task_id"])] = r[field]
     return table
 
 
@@ -157,15 +188,20 @@ def calibrate_accuracy(job: CalibrateJob, model) -> dict:
     records = sweep.prepare_out_dir(sj.out_dir, sweep.settings_of(sj.settings), sj.resume)
     run_arms(sj, calibration, candidates, records, model)
     choices = choose_by_accuracy(scores_of(records), candidates, keys(calibration), job.budget)
+    times = scores_of(records, "wall_time")
+    speed = {family: answer_time_ratios(times, members, keys(calibration))
+             for family, members in families(candidates).items()}
     chosen = [a for a in candidates if a.fsd is None
               or choices[(a.fsd.divergence, a.fsd.mode)][0] == a.fsd.threshold]
     run_arms(sj, held_out, chosen, records, model)
     scores, result = scores_of(records), []
     for (divergence, mode), (threshold, trials) in choices.items():
         entry = {"divergence": divergence, "mode": mode, "threshold": threshold, "budget_points": job.budget,
-                 "calibration": [asdict(t) for t in trials], "calibration_problems": len(keys(calibration))}
+                 "calibration": [asdict(t) for t in trials], "calibration_problems": len(keys(calibration)),
+                 "answer_time_vs_lossless": speed[(divergence, mode)],
+                 "recommended": recommended(trials, speed[(divergence, mode)])}
         if threshold is not None:
-            label = sweep.fsd_arm(divergence, mode, threshold).label
+            label = next(a.label for a in families(candidates)[(divergence, mode)] if a.fsd.threshold == threshold)
             drop, low, high = accuracy_drop(scores[sweep.LOSSLESS], scores[label], keys(held_out))
             entry.update(held_out_drop=drop, held_out_low=low, held_out_high=high,
                          held_out_problems=len(keys(held_out)), missed_by=max(drop - job.budget, 0.0))
@@ -252,7 +288,12 @@ def report(result: dict) -> None:
         if c["threshold"] is None:
             print(f"{name}: no candidate T is within the budget: keep lossless decoding (or try smaller T)")
             continue
-        print(f"{name}: --fsd-threshold {c['threshold']:g} --fsd-divergence {c['divergence']} --fsd-mode {c['mode']}")
+        print(f"{name}: --fsd-threshold {c['threshold']:g} --fsd-divergence {c['divergence']} --fsd-mode {c['mode']}"
+              " (the largest T within the budget)")
+        ratios = {float(t): r for t, r in c.get("answer_time_vs_lossless", {}).items()}
+        if ratios:
+            print("  time per answer x lossless: " + ", ".join(f"T={t:g} {r:.2f}x" for t, r in sorted(ratios.items()))
+                  + f"; recommended: T={c['recommended']:g} (the passing T that finishes answers soonest)")
         if "held_out_drop" in c:
             verdict = "within the budget" if c["missed_by"] == 0 else f"missed the budget by {c['missed_by']:.2f}"
             print(f"  held-out ({c['held_out_problems']} problems): drop {c['held_out_drop']:+.2f} points "

@@ -103,3 +103,23 @@ def paired_speedup(tokens: list[int], seconds: list[float], base_tokens: list[in
     ratios = (t[idx].sum(1) / s[idx].sum(1)) / (bt[idx].sum(1) / bs[idx].sum(1))
     low, high = percentile_interval(ratios, confidence)
     return float(ratio), low, high
+
+
+def paired_answer_time(seconds: list[float], base_seconds: list[float], confidence: float = 0.95, seed: int = 0,
+                       samples: int = BOOTSTRAP_SAMPLES):
+    """(ratio, low, high): time per finished answer, the base arm's over this arm's on the same problems,
+    Σ base seconds / Σ seconds (> 1: this arm finishes the answers sooner, replies that grow included), with a paired
+    bootstrap interval over problems."""
+    s, bs = np.asarray(seconds, dtype=float), np.asarray(base_seconds, dtype=float)
+    if len(s) == 0 or s.sum() == 0:
+        return math.nan, math.nan, math.nan
+    idx = bootstrap_indices(len(s), samples, seed)
+    low, high = percentile_interval(bs[idx].sum(1) / s[idx].sum(1), confidence)
+    return float(bs.sum() / s.sum()), low, high
+
+
+def repeated_ngram_share(words: list[str], n: int = 4) -> float:
+    """The share of a reply's word n-grams that already occurred earlier in it: 0 for a reply that never repeats
+    itself, near 1 for one that loops; 0 for a reply shorter than n words."""
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0

@@ -37,7 +37,8 @@ import torch
 from eagle_fsd.eval import gpqa, gsm8k, humaneval
 from eagle_fsd.eval.frontier_plot import plot_frontier
 from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
-from eagle_fsd.eval.stats import paired_difference, paired_speedup, wilson_interval
+from eagle_fsd.eval.stats import (paired_answer_time, paired_difference, paired_speedup, repeated_ngram_share,
+                                 wilson_interval)
 from eagle_fsd.fsd import DIVERGENCES, FSD_MODES, FsdConfig
 from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
@@ -51,8 +52,8 @@ PLAIN, LOSSLESS = "plain", "lossless"
 CSV_FIELDS = ["bench", "method", "divergence", "mode", "threshold", "tree", "problems", "accuracy", "accuracy_low",
               "accuracy_high", "diff_vs_lossless", "diff_low", "diff_high", "only_lossless", "only_this", "p_value",
               "tokens_per_s", "speedup_vs_lossless", "speedup_low", "speedup_high", "speed_problems",
-              "speedup_vs_plain", "tau",
-              "fuzzy_fraction", "new_tokens", "wall_time"]
+              "speedup_vs_plain", "answer_time_vs_lossless", "answer_time_low", "answer_time_high",
+              "length_vs_lossless", "at_limit", "repetition", "tau", "fuzzy_fraction", "new_tokens", "wall_time"]
 
 
 # ---------------------------------------------------------------- arms
@@ -85,11 +86,40 @@ def on_tree(label: str, shape: TreeShape | None) -> str:
     return label if shape is None else f"{label} @{tree_label(shape)}"
 
 
-def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0,
-            shape: TreeShape | None = None) -> Arm:
+GUARD_CODES = {"stop": "keep_stop", "r": "top_r", "m": "margin", "h": "min_entropy"}  # "+stop+r4+m2+h0.5"
+
+
+def parse_guards(codes: list[str]) -> dict:
+    """["stop", "r4", "m2", "h0.5"] -> FsdConfig's guard fields: keep_stop, top_r 4, margin 2 nats, min_entropy 0.5
+    nats."""
+    guards = {}
+    for code in codes:
+        if code == "stop":
+            guards["keep_stop"] = True
+            continue
+        name = GUARD_CODES.get(code[:1])
+        try:
+            guards[name] = int(code[1:]) if name == "top_r" else float(code[1:])
+        except ValueError:
+            name = None
+        if name is None:
+            raise SystemExit(f"guard {code!r}: expected stop, rN (top r), mX (margin in nats) or hX (entropy in nats)")
+    return guards
+
+
+def guard_label(guards: dict) -> str:
+    """The "+stop+r4" part of an arm's label, in GUARD_CODES order."""
+    codes = {v: k for k, v in GUARD_CODES.items()}
+    return "".join(f"+{codes[name]}" + ("" if name == "keep_stop" else f"{guards[name]:g}")
+                   for name in GUARD_CODES.values() if guards.get(name) not in (None, False))
+
+
+def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0, shape: TreeShape | None = None,
+            guards: dict | None = None) -> Arm:
     rule = "" if mode == "reducible" else f" {mode}"
-    return Arm(on_tree(f"{divergence}{rule} T={threshold:g}", shape),
-               FsdConfig(threshold, divergence, mode, exact_prefix=exact_prefix), shape=shape)
+    guards = guards or {}
+    return Arm(on_tree(f"{divergence}{guard_label(guards)}{rule} T={threshold:g}", shape),
+               FsdConfig(threshold, divergence, mode, exact_prefix=exact_prefix, **guards), shape=shape)
 
 
 def parse_tree(text: str) -> TreeShape:
@@ -113,6 +143,7 @@ def parse_thresholds(text: str) -> list[float]:
 
 def parse_arm_spec(spec: str, exact_prefix: int = 0) -> list[Arm]:
     """"kl_qp:0.3,1" -> kl_qp (reducible) at T = 0.3 and 1; "kl_qp/original:1" -> the original rule at T = 1;
+    guards after the divergence: "kl_qp+stop+r4:2" (eagle_fsd.fsd: stop tokens kept, top r, margin mX, entropy hX);
     a suffix "@16/5/2[/V]" runs them on that draft tree; "lossless@16/5/2" is lossless decoding on it."""
     spec_arms, _, tree = spec.partition("@")
     shape = parse_tree(tree) if tree else None
@@ -120,12 +151,14 @@ def parse_arm_spec(spec: str, exact_prefix: int = 0) -> list[Arm]:
         return [Arm(on_tree(LOSSLESS, shape), shape=shape)]
     head, _, values = spec_arms.partition(":")
     divergence, _, mode = head.partition("/")
+    divergence, *codes = divergence.split("+")
     mode = mode or "reducible"
     if not values or divergence not in DIVERGENCES or mode not in FSD_MODES:
         raise SystemExit(f"--fsd {spec!r}: expected DIVERGENCE[/RULE]:T1,T2,...[@N/D/K] with DIVERGENCE one of "
                          f"{', '.join(DIVERGENCES)} and RULE one of {', '.join(FSD_MODES)}, e.g. kl_qp:0.3,1, or "
                          "lossless@N/D/K")
-    return [fsd_arm(divergence, mode, t, exact_prefix, shape) for t in parse_thresholds(values)]
+    guards = parse_guards(codes)
+    return [fsd_arm(divergence, mode, t, exact_prefix, shape, guards) for t in parse_thresholds(values)]
 
 
 def arms_of(settings: Settings, thresholds: str | None, specs: list[str]) -> list[Arm]:
@@ -203,8 +236,9 @@ def by_method(records: list[dict], bench: str, task_ids: list[str]) -> dict[str,
     return table
 
 
-def summarize(records: list[dict], selection: dict[str, list[str]], arms: list[Arm]) -> list[dict]:
-    """One row per (bench, arm) over the selected problems that arm has finished."""
+def summarize(records: list[dict], selection: dict[str, list[str]], arms: list[Arm], limit: int | None = None) -> list[dict]:
+    """One row per (bench, arm) over the selected problems that arm has finished; limit: the replies' token limit
+    (for the share of replies that reached it)."""
     rows = []
     for bench, task_ids in selection.items():
         table = by_method(records, bench, task_ids)
@@ -214,12 +248,15 @@ def summarize(records: list[dict], selection: dict[str, list[str]], arms: list[A
                 rows.append({"bench": bench, "method": arm.label, "divergence": fsd.divergence if fsd else None,
                              "mode": fsd.mode if fsd else None, "threshold": fsd.threshold if fsd else None,
                              "tree": arm.tree,
-                             **arm_statistics(table[arm.label], table.get(LOSSLESS, {}), table.get(PLAIN, {}))})
+                             **arm_statistics(table[arm.label], table.get(LOSSLESS, {}), table.get(PLAIN, {}), limit)})
     return rows
 
 
-def arm_statistics(done: dict[str, dict], lossless: dict[str, dict], plain: dict[str, dict]) -> dict:
-    """Accuracy (Wilson interval), the paired difference to lossless, tau, fuzzy share, speed and speedups."""
+def arm_statistics(done: dict[str, dict], lossless: dict[str, dict], plain: dict[str, dict],
+                   limit: int | None = None) -> dict:
+    """Accuracy (Wilson interval), the paired difference to lossless, tau, fuzzy share, speed and speedups, and per
+    answer: time per answer and reply length against lossless, the share of replies at the token limit, and how much
+    a reply repeats itself (per_answer)."""
     rs = list(done.values())
     correct, tokens, seconds = (sum(r[k] for r in rs) for k in ("correct", "new_tokens", "wall_time"))
     steps, accepted = sum(r["verify_steps"] for r in rs), sum(r["accepted"] for r in rs)
@@ -236,7 +273,25 @@ def arm_statistics(done: dict[str, dict], lossless: dict[str, dict], plain: dict
     ratio, low, high = speedup(done, lossless)
     row.update(speedup_vs_lossless=ratio, speedup_low=low, speedup_high=high,
                speed_problems=len(same_machine(done, lossless)), speedup_vs_plain=speedup(done, plain)[0])
+    row.update(per_answer(done, lossless, limit))
     return row
+
+
+def per_answer(done: dict[str, dict], lossless: dict[str, dict], limit: int | None) -> dict:
+    """Time per finished answer × lossless (lossless seconds / these, paired, same machine, with its interval), reply
+    length × lossless (tokens over lossless tokens on the shared problems), the share of replies that reached `limit`
+    tokens, and the mean share of repeated word 4-grams in the replies."""
+    timed = same_machine(done, lossless)
+    time_ratio = paired_answer_time([done[t]["wall_time"] for t in timed], [lossless[t]["wall_time"] for t in timed]) \
+        if timed else (None, None, None)
+    shared = [t for t in done if t in lossless]
+    base_tokens = sum(lossless[t]["new_tokens"] for t in shared)
+    rs = list(done.values())
+    return {"answer_time_vs_lossless": time_ratio[0], "answer_time_low": time_ratio[1],
+            "answer_time_high": time_ratio[2],
+            "length_vs_lossless": sum(done[t]["new_tokens"] for t in shared) / base_tokens if base_tokens else None,
+            "at_limit": sum(r["new_tokens"] >= limit for r in rs) / len(rs) if limit else None,
+            "repetition": sum(repeated_ngram_share(r.get("reply", "").split()) for r in rs) / len(rs)}
 
 
 def same_machine(done: dict[str, dict], base: dict[str, dict]) -> list[str]:
@@ -275,7 +330,7 @@ def write_summary(out_dir: Path, rows: list[dict], settings: dict, records: list
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'bench':<10}{'method':<22}{'n':>5}{'accuracy':>9}{'  Δ vs lossless [95% CI]':<26}{'p':>6}"
-          f"{'tok/s':>7}{'×lossless':>10}{'×plain':>7}{'tau':>6}{'fuzzy':>6}")
+          f"{'tok/s':>7}{'×lossless':>10}{'×plain':>7}{'answer×':>8}{'length×':>8}{'limit':>6}{'tau':>6}{'fuzzy':>6}")
     for r in rows:
         def f(key, spec=".2f"):
             return "-" if r[key] is None else format(r[key], spec)
@@ -283,6 +338,7 @@ def print_rows(rows: list[dict]) -> None:
             if r["diff_vs_lossless"] is not None and not math.isnan(r["diff_vs_lossless"]) else "-"
         print(f"{r['bench']:<10}{r['method']:<22}{r['problems']:>5}{f('accuracy', '.3f'):>9}  {diff:<24}"
               f"{f('p_value'):>6}{f('tokens_per_s'):>7}{f('speedup_vs_lossless'):>9}x{f('speedup_vs_plain'):>6}x"
+              f"{f('answer_time_vs_lossless'):>7}x{f('length_vs_lossless'):>7}x{f('at_limit'):>6}"
               f"{f('tau'):>6}{f('fuzzy_fraction'):>6}")
 
 
@@ -405,7 +461,7 @@ def run_sweep(job: SweepJob, model=None) -> list[dict]:
     if todo and not job.summary_only:
         run_todo(job, todo, records, model)
     selection = {bench: [p["task_id"] for p in ps] for bench, ps in problems.items()}
-    rows = summarize(records, selection, job.arms)
+    rows = summarize(records, selection, job.arms, job.settings.generation.max_new_tokens)
     write_summary(job.out_dir, rows, settings_of(job.settings), records)
     gen = job.settings.generation
     for bench in problems:

@@ -121,3 +121,29 @@ def test_calibrate_argument_errors(tmp_path):
         calibrate.parse_args(["--budget", "-1"])
     with pytest.raises(SystemExit):
         calibrate.parse_args(["--prompts", str(tmp_path / "missing.txt")])
+
+
+def test_the_recommendation_is_the_passing_threshold_fastest_per_answer():
+    """T = 1 passes but its replies grow: per answer it is slower than T = 0.3, which is recommended; T = 3 failed
+    and is never recommended, however fast; untimed, the largest passing T."""
+    candidates = arms(0.3, 1, 3)
+    keys = [("b", i) for i in range(4)]
+    times = {sweep.LOSSLESS: {k: 2.0 for k in keys}, "kl_qp T=0.3": {k: 1.6 for k in keys},
+             "kl_qp T=1": {k: 2.5 for k in keys}, "kl_qp T=3": {k: 0.5 for k in keys}}
+    (family, members), = calibrate.families(candidates).items()
+    ratios = calibrate.answer_time_ratios(times, members, keys)
+    assert ratios == pytest.approx({0.3: 1.25, 1: 0.8, 3: 4.0})
+    trials = [calibrate.Trial(0.3, 0.0, 0.5, True), calibrate.Trial(1, 0.2, 0.9, True),
+              calibrate.Trial(3, 5.0, 9.0, False)]
+    assert calibrate.recommended(trials, ratios) == 0.3
+    assert calibrate.recommended(trials, {}) == 1
+    assert calibrate.recommended(trials[2:], ratios) is None
+
+
+def test_guarded_arms_form_their_own_family():
+    candidates = arms(0.3, 1) + sweep.parse_arm_spec("kl_qp+stop+r4:0.3,1")
+    groups = calibrate.families(candidates)
+    assert sorted(groups) == [("kl_qp", "reducible"), ("kl_qp+stop+r4", "reducible")]
+    guarded = groups[("kl_qp+stop+r4", "reducible")]
+    assert [a.label for a in guarded] == ["kl_qp+stop+r4 T=0.3", "kl_qp+stop+r4 T=1"]
+    assert guarded[0].fsd.keep_stop and guarded[0].fsd.top_r == 4

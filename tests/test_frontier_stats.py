@@ -83,3 +83,30 @@ def test_speed_pairs_only_answers_made_on_one_machine():
     assert fsd["speed_problems"] == 3 and lossless["speed_problems"] == 4
     assert fsd["speedup_vs_lossless"] == pytest.approx(2.0)  # a, b at 2x and c at 2x; d left out
     assert fsd["diff_vs_lossless"] == pytest.approx(0.25)  # accuracy pairs all four: d right only with FSD
+
+
+def test_per_answer_figures_hand_values():
+    """FSD emits tokens about twice as fast (2.06x) but its replies are 2.75x as long: per answer it is slower
+    (0.75x), and the figures say so. Problem c hit the 20-token limit with FSD, none did lossless."""
+    records = []
+    for task, fsd_tokens in zip("abcd", (10, 10, 20, 0)):
+        records.append(record(task, "lossless", True, tokens=5, seconds=1.0))
+        records.append(record(task, "kl_qp T=1", True, tokens=fsd_tokens or 15, seconds=4 / 3))
+    records[1]["reply"] = "a b c d a b c d"  # 8 words: 5 four-grams, "a b c d" seen twice -> 1/5 repeated
+    arms = [sweep.Arm("lossless"), sweep.fsd_arm("kl_qp", "reducible", 1.0)]
+    lossless, fsd = sweep.summarize(records, {"b": list("abcd")}, arms, limit=20)
+    assert fsd["speedup_vs_lossless"] == pytest.approx(55 / (16 / 3) / 5)  # 55 tokens in 16/3 s vs 20 in 4 s
+    assert fsd["answer_time_vs_lossless"] == pytest.approx(4 / (16 / 3))  # 0.75: slower per answer
+    assert fsd["answer_time_low"] == pytest.approx(0.75) and fsd["answer_time_high"] == pytest.approx(0.75)
+    assert fsd["length_vs_lossless"] == pytest.approx(55 / 20)
+    assert (fsd["at_limit"], lossless["at_limit"]) == (0.25, 0.0)
+    assert fsd["repetition"] == pytest.approx(0.2 / 4) and lossless["repetition"] == 0.0
+    assert lossless["answer_time_vs_lossless"] == pytest.approx(1.0)
+
+
+def test_answer_time_interval_and_repetition_measure():
+    ratio, low, high = stats.paired_answer_time([1.0, 3.0], [2.0, 2.0])  # resamples: (1,1) 2.0, (1,3) 1.0, (3,3) 0.67
+    assert ratio == 1.0 and low == pytest.approx(2 / 3) and high == pytest.approx(2.0)
+    assert stats.repeated_ngram_share("the cat sat on the mat".split(), n=2) == 0.0
+    assert stats.repeated_ngram_share("go go go go".split(), n=2) == pytest.approx(2 / 3)
+    assert stats.repeated_ngram_share(["short"], n=4) == 0.0
