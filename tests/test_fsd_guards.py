@@ -15,7 +15,7 @@ from tiny import hf_greedy, tiny_model
 
 V = 100
 STOP = 99
-DIV = torch.tensor([0.2, 0.5, 0.1, math.nan, math.nan, math.nan, math.nan])  # root, node(10), node(11): D < T = 1
+DIV = torch.tensor([0.2, 0.5, 0.1, math.nan, math.nan, math.nan, math.nan])  # T = 0.3: root open, node(10) not
 TARGET = torch.tensor([STOP, 98, 30, 5, 6, 7, 8])  # root: the stop token; node(10): 98 (no child); node(11): 30
 
 
@@ -36,38 +36,38 @@ def step_tokens(fsd: FsdConfig, logits: torch.Tensor, stop_ids=None) -> list[int
 
 
 def test_without_guards_the_rule_accepts_the_top_ranked_children():
-    assert step_tokens(FsdConfig(threshold=1.0), logits_with({})) == [10, 98]
+    assert step_tokens(FsdConfig(threshold=0.3), logits_with({})) == [10, 98]
 
 
 @pytest.mark.parametrize("mode", ["reducible", "original"])
 def test_a_stop_token_of_the_target_is_kept(mode):
     """Where the target's own choice is a stop token, its top-ranked child is not accepted fuzzily: the reply ends."""
     stop = torch.tensor([STOP])
-    assert step_tokens(FsdConfig(threshold=1.0, mode=mode), logits_with({}), stop) == [10, 98]
-    assert step_tokens(FsdConfig(threshold=1.0, mode=mode, keep_stop=True), logits_with({}), stop) == [STOP]
+    assert step_tokens(FsdConfig(threshold=0.3, mode=mode), logits_with({}), stop) == [10, 98]
+    assert step_tokens(FsdConfig(threshold=0.3, mode=mode, keep_stop=True), logits_with({}), stop) == [STOP]
     other = torch.tensor([7])  # another stop token: the root stays open
-    assert step_tokens(FsdConfig(threshold=1.0, mode=mode, keep_stop=True), logits_with({}), other) == [10, 98]
+    assert step_tokens(FsdConfig(threshold=0.3, mode=mode, keep_stop=True), logits_with({}), other) == [10, 98]
 
 
 def test_a_draft_outside_the_targets_top_r_is_refused():
     """Root: three tokens score above the top-ranked child 10, so 10 is the target's 4th choice."""
     logits = logits_with({0: {STOP: 9.0, 1: 8.0, 2: 7.0, 10: 6.0}})
-    assert step_tokens(FsdConfig(threshold=1.0, top_r=3), logits) == [STOP]
-    assert step_tokens(FsdConfig(threshold=1.0, top_r=4), logits) == [10, 98]
+    assert step_tokens(FsdConfig(threshold=0.3, top_r=3), logits) == [STOP]
+    assert step_tokens(FsdConfig(threshold=0.3, top_r=4), logits) == [10, 98]
 
 
 def test_a_draft_beyond_the_margin_is_refused():
     logits = logits_with({0: {STOP: 9.0, 10: 6.5}})  # 10 is 2.5 nats below the target's best
-    assert step_tokens(FsdConfig(threshold=1.0, margin=2.0), logits) == [STOP]
-    assert step_tokens(FsdConfig(threshold=1.0, margin=3.0), logits) == [10, 98]
+    assert step_tokens(FsdConfig(threshold=0.3, margin=2.0), logits) == [STOP]
+    assert step_tokens(FsdConfig(threshold=0.3, margin=3.0), logits) == [10, 98]
 
 
 def test_a_confident_target_keeps_its_choice():
     """Root peaked on the stop token (entropy ~0.02 nats): closed under min_entropy 0.5; a flat target (entropy
     log V = 4.6 nats) stays open."""
     peaked = logits_with({0: {STOP: 12.0}})
-    assert step_tokens(FsdConfig(threshold=1.0, min_entropy=0.5), peaked) == [STOP]
-    assert step_tokens(FsdConfig(threshold=1.0, min_entropy=0.5), logits_with({})) == [10, 98]
+    assert step_tokens(FsdConfig(threshold=0.3, min_entropy=0.5), peaked) == [STOP]
+    assert step_tokens(FsdConfig(threshold=0.3, min_entropy=0.5), logits_with({})) == [10, 98]
 
 
 def test_fuzzy_allowed_row_by_row():
