@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from eagle_fsd.dtypes import dtype_name, torch_dtype
 from eagle_fsd.eval.data import load_questions
 from eagle_fsd.eval.llama_cpp_peer import import_llama_cpp, llama_cpp_methods, smoke_test
+from eagle_fsd.eval.sweep import guard_label, guards_of, parse_guards
 from eagle_fsd.eval.vllm_peer import VllmJob, run_rows
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.drafting import LMDrafter
@@ -64,15 +65,23 @@ class BenchJob:
     llama_cpp_draft_tokens: int = 3  # drafts per step in llama.cpp's draft row
 
 
-def parse_fsd(specs: list[str]) -> list[tuple[str, float]]:
-    """["kl_qp:0.5,2", "tv:0.3"] -> [("kl_qp", 0.5), ("kl_qp", 2.0), ("tv", 0.3)]"""
+def parse_fsd(specs: list[str], mode: str = "reducible") -> list[FsdConfig]:
+    """["kl_qp:0.5,2", "tv+stop:0.3"] -> kl_qp at T = 0.5 and 2, tv at 0.3 with stop tokens kept (guards as in the
+    sweep's arm specs: +stop, +rN, +mX, +hX)."""
     rows = []
     for spec in specs:
-        name, _, values = spec.partition(":")
+        head, _, values = spec.partition(":")
         if not values:
-            raise SystemExit(f"--fsd {spec!r}: expected DIVERGENCE:T1,T2,... e.g. kl_qp:0.5,2")
-        rows += [(name, float(v)) for v in values.split(",")]
+            raise SystemExit(f"--fsd {spec!r}: expected DIVERGENCE[+GUARD...]:T1,T2,... e.g. kl_qp:0.5,2 or "
+                             "kl_qp+stop:2")
+        name, *codes = head.split("+")
+        guards = parse_guards(codes)
+        rows += [FsdConfig(float(v), name, mode, **guards) for v in values.split(",")]
     return rows
+
+
+def fsd_row_name(fsd: FsdConfig) -> str:
+    return f"fsd {fsd.divergence}{guard_label(guards_of(fsd))} T={fsd.threshold:g}"
 
 
 def prompts(tokenizer, n: int, path=None) -> list[torch.Tensor]:
@@ -144,7 +153,7 @@ def methods_for(model, job: BenchJob, target, ids_list) -> dict:
         methods.update(llama_cpp_methods(target_gguf, draft_gguf, torch.get_num_threads(), context, n,
                                          eos_token_ids(model.base_model), job.llama_cpp_draft_tokens))
     for fsd in job.fsd_rows:
-        methods[f"fsd {fsd.divergence} T={fsd.threshold:g}"] = (lambda fsd: lambda ids: model.generate(
+        methods[fsd_row_name(fsd)] = (lambda fsd: lambda ids: model.generate(
             ids, max_new_tokens=n, fsd=fsd, return_dict=True))(fsd)
     return methods
 
@@ -235,7 +244,7 @@ def vllm_job(model, job: BenchJob, ids_list) -> VllmJob:
     drafter = resolve_model(m.drafter or default_drafter(m.model)) if lm_drafter else None
     if drafter is None:
         print("vLLM: plain row only (its speculative rows need an LM drafter; this engine drafts with a head)")
-    fsd = [(f.divergence, f.threshold) for f in job.fsd_rows if f.mode == "reducible"]
+    fsd = [(f.divergence, f.threshold) for f in job.fsd_rows if f.mode == "reducible" and not f.guarded]
     return VllmJob(resolve_model(m.model), drafter, job.vllm_dtype,
                    [ids[0].tolist() for ids in ids_list], job.settings.generation.max_new_tokens,
                    torch.get_num_threads(), job.vllm_draft_tokens, fsd)
@@ -420,7 +429,7 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     add_threads_arg(p)
     args = p.parse_args(argv)
     settings = parse_settings(p, args)
-    fsd_rows = [FsdConfig(t, name, settings.fsd.mode) for name, t in parse_fsd(args.fsd)]
+    fsd_rows = parse_fsd(args.fsd, settings.fsd.mode)
     job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
                    args.also_tree, args.also_hf_dtype, args.also_full_drafter, args.also_vllm,
                    args.vllm_draft_tokens, args.vllm_dtype, args.also_llama_cpp,

@@ -90,15 +90,9 @@ def families(arms: list[sweep.Arm]) -> dict[tuple[str, str], list[sweep.Arm]]:
     groups: dict[tuple[str, str], list[sweep.Arm]] = {}
     for arm in arms:
         if arm.fsd is not None:
-            name = arm.fsd.divergence + sweep.guard_label(guards_of(arm.fsd))
+            name = arm.fsd.divergence + sweep.guard_label(sweep.guards_of(arm.fsd))
             groups.setdefault((name, arm.fsd.mode), []).append(arm)
     return groups
-
-
-def guards_of(fsd: FsdConfig) -> dict:
-    """The guard fields of an FsdConfig that are on."""
-    fields = {"keep_stop": fsd.keep_stop, "top_r": fsd.top_r, "margin": fsd.margin, "min_entropy": fsd.min_entropy}
-    return {name: value for name, value in fields.items() if value not in (None, False)}
 
 
 def answer_time_ratios(times: dict[str, dict], members: list[sweep.Arm], keys: list) -> dict[float, float]:

@@ -114,6 +114,12 @@ def guard_label(guards: dict) -> str:
                    for name in GUARD_CODES.values() if guards.get(name) not in (None, False))
 
 
+def guards_of(fsd: FsdConfig) -> dict:
+    """The guard fields of an FsdConfig that are on."""
+    fields = {"keep_stop": fsd.keep_stop, "top_r": fsd.top_r, "margin": fsd.margin, "min_entropy": fsd.min_entropy}
+    return {name: value for name, value in fields.items() if value not in (None, False)}
+
+
 def fsd_arm(divergence: str, mode: str, threshold: float, exact_prefix: int = 0, shape: TreeShape | None = None,
             guards: dict | None = None) -> Arm:
     rule = "" if mode == "reducible" else f" {mode}"
