@@ -135,3 +135,16 @@ def test_the_vllm_chain_honours_the_guards():
     assert fuzzy_chain([2], chain, FsdConfig(threshold=math.inf, keep_stop=True), greedy=True) == [2]
     assert fuzzy_chain([2], chain, FsdConfig(threshold=math.inf, top_r=1), greedy=True) == [2]
     assert fuzzy_chain([2], chain, FsdConfig(threshold=math.inf, top_r=2), greedy=True) == [3, 4, 1]
+
+
+def test_guarded_rows_are_named_and_parsed_alike_in_bench_and_sweep():
+    from eagle_fsd.eval import bench, sweep
+
+    rows = bench.parse_fsd(["kl_qp+stop+r4:2,8", "tv:0.3"])
+    assert [bench.fsd_row_name(r) for r in rows] == ["fsd kl_qp+stop+r4 T=2", "fsd kl_qp+stop+r4 T=8", "fsd tv T=0.3"]
+    assert rows[0].keep_stop and rows[0].top_r == 4 and not rows[2].guarded
+    arm, = sweep.parse_arm_spec("kl_qp+m1.5+h0.5:2")
+    assert arm.label == "kl_qp+m1.5+h0.5 T=2" and (arm.fsd.margin, arm.fsd.min_entropy) == (1.5, 0.5)
+    for bad in (["x1"], ["r"], ["mfast"]):
+        with pytest.raises(SystemExit, match="guard"):
+            sweep.parse_guards(bad)
