@@ -3,7 +3,8 @@
   "eagle"        SafeAILab (yuhuili/EAGLE3-*): Llama config + draft_vocab_size; weights midlayer.*; reads the default
                  layers (2, N//2, N-3) only.
   "sglang"       SGLang / SpecForge: architectures LlamaForCausalLMEagle3, other layers in
-                 eagle_config.eagle_aux_hidden_state_layer_ids (outputs of layers: index - 1, see eagle_fsd.drafting.eagle3).
+                 eagle_config.eagle_aux_hidden_state_layer_ids (outputs of layers: index - 1, see
+                 eagle_fsd.drafting.eagle3).
   "speculators"  vLLM speculators: architectures Eagle3Speculator, the Llama fields under transformer_layer_config,
                  weights layers.0.*, eagle_aux_hidden_state_layer_ids = inputs of layers (the indices themselves),
                  speculators_config.verifier.name_or_path = the target, which `vllm serve HEAD_DIR` loads.
@@ -52,8 +53,8 @@ def _target_indices(head: Eagle3Head, target_config) -> tuple[int, ...] | None:
 
 
 def sglang_aux_ids(indices: tuple[int, ...]) -> list[int]:
-    """Indices as SGLang reads them back (eagle_fsd.drafting.eagle3.aux_hidden_indices): outputs of layers (index - 1) when
-    that list starts at 1, else the indices themselves (which must then not start at 1)."""
+    """Indices as SGLang reads them back (eagle_fsd.drafting.eagle3.aux_hidden_indices): outputs of layers
+    (index - 1) when that list starts at 1, else the indices themselves (which must then not start at 1)."""
     if indices[0] == 2:
         return [i - 1 for i in indices]
     if indices[0] == 1:

@@ -57,8 +57,9 @@ def decoder_outputs(model, input_ids: torch.Tensor, cache, attention_mask: torch
                     run: ModelRun = FLOAT, feature_layers: tuple[int, ...] | None = None):
     """Run model's decoder (no lm_head) over input_ids (n,) appended to `cache`, at the given positions (n,) and
     with an explicit (1, 1, n, cache_len + n) bool mask, as its run plan says (`run`: the fused forward or
-    transformers' layers; attention backend "auto", "sdpa" or "triton", eagle_fsd.attention). Returns (final-norm hidden states (n, H): what the lm_head turns into logits and what
-    EAGLE-1/2 heads read, drafter features): the features are the final hidden states again, or with
+    transformers' layers; attention backend "auto", "sdpa" or "triton", eagle_fsd.attention). Returns (final-norm
+    hidden states (n, H): what the lm_head turns into logits and what EAGLE-1/2 heads read, drafter features): the
+    features are the final hidden states again, or with
     `feature_layers` (EAGLE-3) cat(hidden state entering layer i for i in feature_layers), (n, len * H).
 
     Sliding-window layers see the mask cut to their window (eagle_fsd.attention). Models with an attention kind the

@@ -38,9 +38,9 @@ def model_source(model: torch.nn.Module) -> dict | None:
 
 
 def products_path(model: torch.nn.Module, fmt: WeightFormat) -> Path | None:
-    """Where `format_weights(model, fmt)` (a `rows` format) keeps its products: a file per `model_source` (folder and weight
-    files), weight dtype, settings, kernel builds and STORE_VERSION; None for a model not loaded from a local
-    folder."""
+    """Where `format_weights(model, fmt)` (a `rows` format) keeps its products: a file per `model_source` (folder
+    and weight files), weight dtype, settings, kernel builds and STORE_VERSION; None for a model not loaded from a
+    local folder."""
     source = model_source(model)
     if source is None:
         return None

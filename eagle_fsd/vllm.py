@@ -18,8 +18,8 @@ draft_sample_method="probabilistic" (the drafter at the request's temperature).
 Turning it on: `pip install eagle-fsd[vllm]` registers `register` under the `vllm.general_plugins` entry point,
 which vLLM calls in every process. Per request: SamplingParams(extra_args={"fsd_threshold": T, "fsd_divergence":
 "kl_qp"}), and the guards of eagle_fsd.fsd as "fsd_keep_stop", "fsd_top_r", "fsd_margin", "fsd_min_entropy" (a
-position a guard closes keeps vLLM's lossless rule); server-wide default: the environment variables EAGLE_FSD_THRESHOLD / EAGLE_FSD_DIVERGENCE. A request
-with neither is untouched. vLLM has no acceptance hook, so the plugin wraps two methods, once each: the model
+position a guard closes keeps vLLM's lossless rule); server-wide default: the environment variables
+EAGLE_FSD_THRESHOLD / EAGLE_FSD_DIVERGENCE. A request with neither is untouched. vLLM has no acceptance hook, so the plugin wraps two methods, once each: the model
 runner's `_sample` (where the rule runs) and the proposer's `_sample_draft_tokens` (to keep q). Token logprobs of
 a request with FSD on are vLLM's for its lossless tokens only.
 """

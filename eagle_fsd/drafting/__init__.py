@@ -17,7 +17,7 @@ from eagle_fsd.drafting.lm import LMDrafter, check_same_tokenizer
 
 DRAFTERS = {"eagle": EagleDrafter.load, "eagle3": Eagle3Drafter.load, "lm": LMDrafter.load}
 
-__all__ = ["DRAFTERS", "DRAFTING", "DraftHead", "DraftSession", "Drafter", "Eagle3Drafter", "Eagle3Head", "EagleDrafter",
-           "EagleHead", "HeadDrafter", "LMDrafter", "Plain", "check_same_tokenizer", "grow_tree", "head_config",
-           "head_file", "holds_eagle_fc", "is_eagle3", "load_eagle3_head", "load_eagle_head", "load_weights",
-           "read_head_config", "read_head_files"]
+__all__ = ["DRAFTERS", "DRAFTING", "DraftHead", "DraftSession", "Drafter", "Eagle3Drafter", "Eagle3Head",
+           "EagleDrafter", "EagleHead", "HeadDrafter", "LMDrafter", "Plain", "check_same_tokenizer", "grow_tree",
+           "head_config", "head_file", "holds_eagle_fc", "is_eagle3", "load_eagle3_head", "load_eagle_head",
+           "load_weights", "read_head_config", "read_head_files"]
