@@ -155,4 +155,5 @@ class RunPlan:
         drafter = "none" if self.drafter is None else self.drafter.label()
         return (f"target {dtype_name(self.target.dtype)}, weights {self.target.label()}"
                 f"{', fused decoder' if self.target.fused else ''}; drafter weights {drafter}"
-                f"{', fused decoder' if self.drafter is not None and self.drafter.fused else ''}; tree {self.tree}")
+                f"{', fused decoder' if self.drafter is not None and self.drafter.fused else ''}; tree "
+                f"{self.tree.eagle()}, draft vocabulary {self.draft_vocab or 'full'}")
