@@ -34,11 +34,7 @@ class Request:
     max_new_tokens: int
     streamer: object = None
     fsd: FsdConfig | None = None
-
-    @property
-    def stop_ids(self) -> torch.Tensor:
-        """The stop tokens as a tensor (FsdConfig.keep_stop)."""
-        return torch.tensor(sorted(self.eos), dtype=torch.long)
+    stop_ids: torch.Tensor | None = None  # the stop tokens as a tensor, where FsdConfig.keep_stop reads them
 
 
 @dataclass
@@ -198,8 +194,8 @@ class EaFsdModel(torch.nn.Module):
                              "or use naive_generate for plain decoding")
         rule = resolve_fsd(fsd, fsd_threshold)
         tree = shape or self.plan.tree_for(rule)
-        request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer, tree)
-        request.fsd = rule
+        request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer,
+                                (tree, rule))
         guard = self._speed_guard(rule) if shape is None else SpeedGuard(None)
         with self._drafting_for(tree):
             out = self._generate(input_ids, self.drafter, request, StepPolicy(tree, guard, True, profile))
@@ -242,8 +238,10 @@ class EaFsdModel(torch.nn.Module):
         return (out.sequences, out.new_tokens, out.verify_steps - 1) if log else out.sequences
 
     def _request(self, input_ids, sampling: tuple, max_new_tokens, eos_token_id, streamer,
-                 tree: TreeShape | None = None) -> Request:
-        """A call's Request, its arguments checked (and the call's `tree`). sampling: (temperature, top_p, top_k)."""
+                 speculation: tuple = (None, None)) -> Request:
+        """A call's Request, its arguments checked. sampling: (temperature, top_p, top_k); speculation: the call's
+        (tree, acceptance rule), the tree checked."""
+        tree, rule = speculation
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must have shape (1, prompt_len); got {tuple(input_ids.shape)} "
                              "(batch size > 1 is not supported)")
@@ -261,8 +259,9 @@ class EaFsdModel(torch.nn.Module):
             raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {needed} "
                              f"exceeds the model's context of {context} tokens; shorten the prompt or lower "
                              "max_new_tokens")
-        return Request(logits_processor(*sampling), eos_token_ids(self.base_model, eos_token_id), max_new_tokens,
-                       streamer)
+        eos = eos_token_ids(self.base_model, eos_token_id)
+        stop_ids = torch.tensor(sorted(eos), dtype=torch.long) if rule is not None and rule.keep_stop else None
+        return Request(logits_processor(*sampling), eos, max_new_tokens, streamer, rule, stop_ids)
 
     def _generate(self, input_ids, proposer, request: Request, steps: StepPolicy) -> GenerateOutput:
         """The loop: each step drafts a tree (the root alone where it decodes plainly), verifies it in one target
@@ -281,8 +280,7 @@ class EaFsdModel(torch.nn.Module):
             state.root = step.next_token
             steps.lap("other")
             if not state.done:
-                emitted = torch.tensor(step.tokens, device=state.root.device)
-                state.session.read(emitted, features[step.path], tree, step.path, speculate)
+                state.session.read(step, features, tree, speculate)
                 steps.lap("draft")
             steps.record(state.out, step, tree.size, speculate)
         if request.streamer is not None:
@@ -313,9 +311,8 @@ class EaFsdModel(torch.nn.Module):
         committed = cache.get_seq_length()
         logits, features = self._verify(tree, cache, self.drafter.feature_layers if steps.speculative else None)
         steps.lap("verify")
-        stop_ids = request.stop_ids if request.fsd is not None and request.fsd.keep_stop else None
         step = fsd_accept(tree, logits, choose_tokens(logits, request.processor), request.fsd, self.vocab_size,
-                          request.processor, emitted, stop_ids)
+                          request.processor, emitted, request.stop_ids)
         steps.lap("accept")
         if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
             cache.crop(committed + step.accept_length + 1)

@@ -67,8 +67,7 @@ class StepPolicy:
     def __init__(self, shape: TreeShape, guard: SpeedGuard, speculative: bool, profile: bool = False):
         self.shape, self.guard, self.speculative, self.profile = shape, guard, speculative, profile
         self.start = time.perf_counter()  # the call's wall time counts from here, the prompt's prefill included
-        self.clock = PhaseClock(sync=profile)
-        self.step_start, self.verify_seconds = self.clock.last, 0.0
+        self.clock, self.step_start, self.verify_seconds = None, self.start, 0.0
 
     def start_steps(self) -> None:
         """The phase clock starts after the prefill: phase_seconds are the steps' time (the target's prefill is a

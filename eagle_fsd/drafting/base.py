@@ -27,6 +27,7 @@ from eagle_fsd.plan import ModelRun
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, own_product
+from eagle_fsd.tree.accept import Step
 from eagle_fsd.tree.dynamic import DraftTree, chain_tree, grow_pool, select_tree
 from eagle_fsd.tree.shape import TreeShape
 
@@ -249,11 +250,12 @@ class DraftSession:
             self.behind.clear()
         return grow_tree(self.drafter, root, self.root_logits, self.root_state, shape)
 
-    def read(self, tokens: torch.Tensor, hidden: torch.Tensor, tree: DraftTree, path: torch.Tensor,
-             speculated: bool) -> None:
-        """The step's emitted tokens and their target hidden states: read now, or queued for the next draft. A drafter
-        that reads no features keeps the accepted chain's leading forwarded level entries (their scratch slots in the
-        tree) and reads only the rest."""
+    def read(self, step: Step, features: torch.Tensor, tree: DraftTree, speculated: bool) -> None:
+        """The step's emitted tokens and the target's features at them (`features` of the tree's nodes, read along
+        the accepted path): read now, or queued for the next draft. A drafter that reads no features keeps the
+        accepted chain's leading forwarded level entries (their scratch slots in the tree) and reads only the rest."""
+        tokens = torch.tensor(step.tokens, device=features.device)
+        hidden, path = features[step.path], step.path
         if not speculated:
             self.behind.append((tokens, hidden))
             return
@@ -283,7 +285,7 @@ class Plain:
     def draft(self, root: torch.Tensor, shape: TreeShape, speculate: bool) -> DraftTree:
         return chain_tree(root.reshape(1))
 
-    def read(self, tokens, hidden, tree, path, speculated) -> None:
+    def read(self, step, features, tree, speculated) -> None:
         pass
 
 
