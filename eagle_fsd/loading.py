@@ -129,7 +129,7 @@ def format_drafter(drafter, target_format: WeightFormat, options: LoadOptions, t
     return fmt
 
 
-def plan_for(target, drafter=None, tree: TreeShape = TreeShape(60, 5, 10), formats: tuple = (None, None),
+def plan_for(target, drafter=None, tree: TreeShape = TreeShape(*EAGLE_DEFAULTS), formats: tuple = (None, None),
              backend: str = "auto") -> RunPlan:
     """The run plan of `target` and `drafter` whose weights are in `formats` (target's, drafter's; None: float), the
     draft tree `tree`, attention by `backend`: the one place where what the loader made is turned into how it runs."""
