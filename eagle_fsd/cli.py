@@ -83,6 +83,8 @@ def print_run(out, fsd, profile: bool) -> None:
         total = sum(out.phase_seconds.values())
         print("time by phase: " + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f} %)"
                                             for k, v in out.phase_seconds.items()) + " (after prefill)")
+        print("draft trees (speculative steps): " + (", ".join(f"{k} {v}" for k, v in out.tree_steps.items())
+                                                     or "none") + f"; re-chosen {out.tree_switches} times")
 
 
 def compare_with_hf_generate(model, ids, generation, sequences, speed: float, fuzzy: bool = False) -> None:

@@ -21,6 +21,8 @@ from eagle_fsd.settings import Settings
 from eagle_fsd.steps import GenerateOutput, StepPolicy
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import Tuning
+from eagle_fsd.tune.follow import ShapeFollower, best_shape
+from eagle_fsd.tune.rule_replay import calibration_sequences, rule_rescue
 
 __all__ = ["EaFsdModel", "GenerateOutput", "eos_token_ids", "exactness", "load_model"]
 
@@ -114,6 +116,7 @@ class EaFsdModel(torch.nn.Module):
         self.drafter = drafter
         self._tuning = None
         self._guards: dict[FsdConfig | None, SpeedGuard] = {}  # the speed guard per acceptance rule, for life
+        self._trees: dict[FsdConfig | None, ShapeFollower] = {}  # the draft tree per acceptance rule, for life
         self._guard_memory = GuardMemory()  # what the guards measured, shared by them
         # the token vocabulary: logit rows beyond it (padding) are not tokens
         self.vocab_size = len(tokenizer) if tokenizer is not None else base_model.config.vocab_size
@@ -129,6 +132,7 @@ class EaFsdModel(torch.nn.Module):
         """The cost model's choice: its tree becomes the model's, and the speed guard uses its measured costs."""
         self._tuning = tuning
         self.plan = self.plan.with_tree(tuning.tree, tuned=True)
+        self._trees.clear()
         if self.drafter is not None:
             self.drafter.set_draft_vocab(self._draft_vocab_ids(self.plan.draft_vocab))
 
@@ -193,13 +197,30 @@ class EaFsdModel(torch.nn.Module):
             raise ValueError("this EaFsdModel has no drafter: pass ea_model_path= or draft_model= to from_pretrained, "
                              "or use naive_generate for plain decoding")
         rule = resolve_fsd(fsd, fsd_threshold)
-        tree = shape or self.plan.tree_for(rule)
+        trees = self.trees_for(rule) if shape is None else ShapeFollower(None, shape)
         request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer,
-                                (tree, rule))
+                                (trees.room, rule))
         guard = self._speed_guard(rule) if shape is None else SpeedGuard(None)
-        with self._drafting_for(tree):
-            out = self._generate(input_ids, self.drafter, request, StepPolicy(tree, guard, True, profile))
+        with self._drafting_for(trees.shape):
+            out = self._generate(input_ids, self.drafter, request, StepPolicy(trees, guard, True, profile))
         return out if return_dict else out.sequences
+
+    def trees_for(self, rule: FsdConfig | None = None) -> ShapeFollower:
+        """The draft tree of acceptance `rule` (None: lossless), kept for the model's life and re-chosen from the
+        acceptance the rule measures (eagle_fsd.tune.follow). With tuned settings a rule without a tree of its own
+        in the plan starts on the tree the cost model predicts fastest at its replayed rescue rate
+        (eagle_fsd.tune.rule_replay); untuned, every rule runs the plan's tree, fixed."""
+        key = rule_key(rule)
+        if key not in self._trees:
+            profile = None if self._tuning is None else self._tuning.profile
+            tree, rescue = self.plan.tree_for(key), 0.0
+            if profile is not None and key is not None and key not in dict(self.plan.trees):
+                stop_ids = torch.tensor(sorted(eos_token_ids(self.base_model)), dtype=torch.long)
+                rescue = rule_rescue(self, calibration_sequences(self, profile), key, stop_ids)
+                tree = TreeShape(*best_shape(profile, rescue, self.plan.draft_vocab)[0])
+                self.plan = self.plan.with_tree(tree, key)
+            self._trees[key] = ShapeFollower(profile, tree, rescue)
+        return self._trees[key]
 
     def _drafting_for(self, shape: TreeShape):
         """The drafter over `shape`'s draft vocabulary for one call, when it is not the model's own."""
@@ -212,7 +233,8 @@ class EaFsdModel(torch.nn.Module):
                        top_k: int = 0, streamer=None, return_dict: bool = False, eos_token_id=None):
         """Plain decoding with the target alone (one token per forward): the baseline of every speed figure."""
         request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer)
-        out = self._generate(input_ids, Plain(), request, StepPolicy(self.shape, SpeedGuard(None), False))
+        out = self._generate(input_ids, Plain(), request,
+                             StepPolicy(ShapeFollower(None, self.shape), SpeedGuard(None), False))
         return out if return_dict else out.sequences
 
     # EAGLE's names, so EAGLE users can switch
@@ -292,7 +314,7 @@ class EaFsdModel(torch.nn.Module):
         session starts (a drafter reads the prompt at its first draft)."""
         prompt = input_ids[0].to(self.base_model.device)
         n = prompt.numel()
-        room = proposer.tree_room(steps.shape)
+        room = proposer.tree_room(steps.room)
         cache = TreeCache.for_model(self.base_model, n + request.max_new_tokens + room, self.plan.target)
         if request.streamer is not None:
             request.streamer.put(input_ids.cpu())
@@ -300,7 +322,7 @@ class EaFsdModel(torch.nn.Module):
                                            torch.arange(n, device=prompt.device), self.plan.target,
                                            proposer.feature_layers)
         root = choose_tokens(self.base_model.get_output_embeddings()(hidden[-1:]), request.processor)[0]
-        session = proposer.session(cache.max_len + steps.shape.level_room, prompt, root, features)
+        session = proposer.session(cache.max_len + steps.room.level_room, prompt, root, features)
         state = Decoding(cache, root, session, GenerateOutput(sequences=input_ids))
         state.emit([int(root)], [False], request)
         return state

@@ -11,6 +11,7 @@ import torch
 from eagle_fsd.guard import PhaseClock, SpeedGuard
 from eagle_fsd.tree.accept import Step, acceptance_by_depth, tokens_per_step
 from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.tune.follow import ShapeFollower
 
 
 @dataclass
@@ -25,6 +26,8 @@ class GenerateOutput:
     wall_time: float = 0.0
     plain_steps: int = 0                     # steps decoded without a draft (the speed guard's fallback)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / accept / cache / other
+    tree_steps: dict[str, int] = field(default_factory=dict)  # speculative steps per draft tree "n/d/k[/v]"
+    tree_switches: int = 0                   # times the rule's tree was re-chosen during the call (ShapeFollower)
 
     @property
     def fell_back(self) -> bool:
@@ -59,15 +62,31 @@ class GenerateOutput:
         self.wall_time, self.phase_seconds = seconds, phase_seconds
 
 
-class StepPolicy:
-    """One call's policy and bookkeeping. shape: the draft tree of the call's rule; guard: the rule's speed guard
-    (SpeedGuard(None): off); speculative: the call has a drafter (plain decoding has none, and no plain steps are
-    counted for it); profile: synchronise the clock's laps on CUDA."""
+def tree_label(shape: TreeShape) -> str:
+    """TreeShape(5, 3, 1, 37888) -> "5/3/1/37888" (no "/v" for the drafter's whole vocabulary)."""
+    return "/".join(map(str, shape.eagle() + ((shape.draft_vocab,) if shape.draft_vocab else ())))
 
-    def __init__(self, shape: TreeShape, guard: SpeedGuard, speculative: bool, profile: bool = False):
-        self.shape, self.guard, self.speculative, self.profile = shape, guard, speculative, profile
+
+class StepPolicy:
+    """One call's policy and bookkeeping. trees: the call's rule's ShapeFollower (its draft tree, re-chosen from the
+    acceptance it measures; a fixed tree: ShapeFollower(None, shape)); guard: the rule's speed guard (SpeedGuard(None):
+    off); speculative: the call has a drafter (plain decoding has none, and no plain steps are counted for it);
+    profile: synchronise the clock's laps on CUDA."""
+
+    def __init__(self, trees: ShapeFollower, guard: SpeedGuard, speculative: bool, profile: bool = False):
+        self.trees, self.guard, self.speculative, self.profile = trees, guard, speculative, profile
         self.start = time.perf_counter()  # the call's wall time counts from here, the prompt's prefill included
         self.clock, self.step_start, self.verify_seconds = None, self.start, 0.0
+
+    @property
+    def shape(self) -> TreeShape:
+        """The tree the next step drafts."""
+        return self.trees.shape
+
+    @property
+    def room(self) -> TreeShape:
+        """A tree whose cache room covers every tree this call may draft."""
+        return self.trees.room
 
     def start_steps(self) -> None:
         """The phase clock starts after the prefill: phase_seconds are the steps' time (the target's prefill is a
@@ -94,6 +113,10 @@ class StepPolicy:
     def record(self, out: GenerateOutput, step: Step, tree_size: int, speculated: bool) -> None:
         """A finished step: its statistics in `out`, and its time for the guard."""
         out.record(step, plain=self.speculative and not speculated)
+        if self.speculative and speculated:
+            label = tree_label(self.shape)
+            out.tree_steps[label] = out.tree_steps.get(label, 0) + 1
+            out.tree_switches += self.trees.record(step.accept_length)
         self.guard.record(speculated, len(step.tokens), self.clock.last - self.step_start, self.verify_seconds,
                           tree_size)
 

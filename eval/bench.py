@@ -34,8 +34,10 @@ from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.loading import as_hf_runs_it, plan_for
 from eagle_fsd.model import EaFsdModel, eos_token_ids, load_model
+from eagle_fsd.steps import tree_label
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import device_name
+from eagle_fsd.tune.follow import rule_prediction
 from eagle_fsd.prompts import PromptFormat
 from eagle_fsd.presets import PRESETS, default_drafter, drafter_label, fetch_gguf, resolve_model
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
@@ -55,6 +57,7 @@ class BenchJob:
     plain: bool = True
     fsd_rows: list[FsdConfig] = field(default_factory=list)  # one row per (divergence, T)
     also_tree: list[str] = field(default_factory=list)  # "TOTAL_TOKEN,DEPTH,TOP_K"
+    fsd_on_lossless_tree: bool = False  # each FSD row also on the lossless rule's tree, fixed
     also_hf_dtype: list[str] = field(default_factory=list)  # HF generate on a copy of the target in these dtypes
     also_full_drafter: bool = False  # eagle-fsd again with a quantized drafter's original weights
     also_vllm: str | None = None  # the vLLM environment's Python: vLLM rows (plain, the drafter, FSD)
@@ -155,7 +158,24 @@ def methods_for(model, job: BenchJob, target, ids_list) -> dict:
     for fsd in job.fsd_rows:
         methods[fsd_row_name(fsd)] = (lambda fsd: lambda ids: model.generate(
             ids, max_new_tokens=n, fsd=fsd, return_dict=True))(fsd)
+        if job.fsd_on_lossless_tree:
+            methods[f"{fsd_row_name(fsd)} lossless tree"] = (lambda fsd, tree: lambda ids: model.generate(
+                ids, max_new_tokens=n, fsd=fsd, return_dict=True, shape=tree))(fsd, model.plan.tree)
     return methods
+
+
+def rule_predictions(model, job: BenchJob) -> dict[str, dict]:
+    """Each rule's tree before the timed runs (an FSD rule's is chosen from its replayed rescue rate) and what the
+    cost model predicts for it there (eagle_fsd.tune.follow)."""
+    if model.tuning is None or model.tuning.profile is None:
+        return {}
+    out = {}
+    for name, rule in [("eagle-fsd", None), *((fsd_row_name(f), f) for f in job.fsd_rows)]:
+        trees = model.trees_for(rule)
+        predicted = rule_prediction(model.tuning.profile, trees.shape, trees.rescue)
+        out[name] = {"first_tree": tree_label(trees.shape), "rescue": round(trees.rescue, 3),
+                     **{k: round(v, 3) for k, v in predicted.items()}}
+    return out
 
 
 def full_drafter_method(model, max_new_tokens: int):
@@ -187,6 +207,7 @@ def run(job: BenchJob) -> dict:
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
     hf_target = as_hf_runs_it(model.base_model, model.plan.target)
     methods = methods_for(model, job, hf_target, ids_list)
+    predictions = rule_predictions(model, job)
     for fsd in [None, *job.fsd_rows[:1]]:  # warm-up, FSD's divergence pass included (its first call is slow)
         model.generate(ids_list[0][:, :16], max_new_tokens=8, fsd=fsd)
     hf_method(hf_target, 8)(ids_list[0][:, :16])
@@ -209,6 +230,9 @@ def run(job: BenchJob) -> dict:
                 t["accepted"] += sum(out.accept_lengths)
                 t["fuzzy"] += sum(out.fuzzy_accepts)
                 t["plain_steps"] += out.plain_steps
+                t["tree_switches"] += out.tree_switches
+                for tree, steps in out.tree_steps.items():
+                    t[f"tree {tree}"] += steps
                 for phase, sec in out.phase_seconds.items():
                     t[f"phase_{phase}"] += sec
             elif "target_forwards" in out:  # a peer's speculative row
@@ -231,10 +255,23 @@ def run(job: BenchJob) -> dict:
     if vllm is not None:
         add_vllm_rows(vllm["rows"], ids_list, reference, totals, per_question)
     result = summarize(model, job.settings, ids_list, totals, per_question)
+    add_predictions(result, predictions)
     if vllm is not None:
         result["vllm_version"], result["vllm_dtype"] = vllm["version"], vllm["dtype"]
     result["peak_rss_gb_engine_loaded"] = loaded_rss
     return result
+
+
+def add_predictions(result: dict, predictions: dict[str, dict]) -> None:
+    """Each rule's row gets the cost model's prediction over plain decoding (per new token) beside what it measured
+    over the plain row."""
+    by_name = {r["method"]: r for r in result["rows"]}
+    for name, predicted in predictions.items():
+        row = by_name.get(name)
+        if row is not None:
+            row["prediction"] = predicted
+            if "plain" in by_name:
+                row["measured_over_plain"] = round(row["tokens_per_s"] / by_name["plain"]["tokens_per_s"], 3)
 
 
 def vllm_job(model, job: BenchJob, ids_list) -> VllmJob:
@@ -306,6 +343,8 @@ def summarize_rows(totals, per_question, questions: int) -> list[dict]:
             row["tau"] = round(t["tokens"] / t["steps"], 3)
         if "fuzzy" in t:  # the engine's own rows
             row["fuzzy_fraction"] = round(t["fuzzy"] / max(t["accepted"], 1), 3)
+            row["trees"] = {k.removeprefix("tree "): int(v) for k, v in t.items() if k.startswith("tree ")}
+            row["tree_switches"] = int(t["tree_switches"])
         if name.startswith("fsd") and "eagle-fsd" in totals:  # per answer: what a user waits for, longer replies too
             lossless = totals["eagle-fsd"]
             row["answer_time_vs_lossless"] = round(lossless["seconds"] / t["seconds"], 3)
@@ -382,6 +421,12 @@ def print_table(result: dict) -> None:
             print(f"{r['method']} per answer: {r['answer_time_vs_lossless']:.2f}x lossless time to the finished "
                   f"replies, replies {r['length_vs_lossless']:.2f}x as long")
     for r in result["rows"]:
+        if r.get("trees"):
+            print(f"{r['method']} trees (steps): {r['trees']}, {r['tree_switches']} switches" + (
+                f"; first tree {r['prediction']['first_tree']} at rescue rate {r['prediction']['rescue']:.2f}: "
+                f"predicted {r['prediction']['speedup_per_token']:.2f}x plain per token, measured "
+                f"{r.get('measured_over_plain', float('nan')):.2f}x" if "prediction" in r else ""))
+    for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
     if "vllm_version" in result:
@@ -406,6 +451,8 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     p.add_argument("--fsd", action="append", default=[], help="DIVERGENCE:T1,T2,... (repeatable)")
     p.add_argument("--also-tree", action="append", default=[],
                    help="TOTAL_TOKEN,DEPTH,TOP_K: also run this fixed tree, full draft vocabulary (repeatable)")
+    p.add_argument("--fsd-on-lossless-tree", action="store_true",
+                   help="each --fsd row also on the lossless rule's tree, fixed (what the rule's own tree buys)")
     p.add_argument("--also-hf-dtype", action="append", default=[], choices=("bf16", "fp16", "fp32"),
                    help="also time HF generate on a copy of the target in this dtype (repeatable)")
     add_fsd_args(p, threshold_flag=False, divergence_flag=False)  # --fsd-mode; --fsd gives divergences and T
@@ -431,7 +478,7 @@ def parse_args(argv) -> tuple[BenchJob, str | None]:
     settings = parse_settings(p, args)
     fsd_rows = parse_fsd(args.fsd, settings.fsd.mode)
     job = BenchJob(settings, args.questions, args.question_file, args.hf_assisted, not args.no_plain, fsd_rows,
-                   args.also_tree, args.also_hf_dtype, args.also_full_drafter, args.also_vllm,
+                   args.also_tree, args.fsd_on_lossless_tree, args.also_hf_dtype, args.also_full_drafter, args.also_vllm,
                    args.vllm_draft_tokens, args.vllm_dtype, args.also_llama_cpp,
                    None if args.llama_cpp_draft == "none" else args.llama_cpp_draft, args.llama_cpp_draft_tokens)
     return job, args.json

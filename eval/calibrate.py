@@ -117,6 +117,19 @@ def recommended(trials: list[Trial], ratios: dict[float, float]) -> float | None
     return passed[-1] if passed else None
 
 
+def length_ratios(table: dict[str, dict], members: list[sweep.Arm]) -> dict[float, float]:
+    """{T: reply tokens × lossless} of each arm over the prompts both answered. table: {method: {prompt: (nll,
+    tokens)}}."""
+    lossless, ratios = table.get(sweep.LOSSLESS, {}), {}
+    for arm in members:
+        mine = table.get(arm.label, {})
+        shared = [k for k in mine if k in lossless]
+        base = sum(lossless[k][1] for k in shared)
+        if base:
+            ratios[arm.fsd.threshold] = sum(mine[k][1] for k in shared) / base
+    return ratios
+
+
 def extra_nll(lossless: dict, arm: dict, confidence: float = 0.95) -> tuple[float, float, float]:
     """(extra, low, high): Σ nll / Σ tokens of the arm's replies minus that of lossless replies, per token, with a
     paired bootstrap interval over prompts. lossless / arm: {prompt: (nll_sum, tokens)}."""
@@ -243,18 +256,25 @@ def calibrate_nll(job: CalibrateJob, model) -> dict:
             out = generate_reply(model, ids, sj.settings.generation, arm.fsd or FsdConfig(), fmt, shape=arm.shape)
             reply = out.sequences[:, ids.shape[1]:]
             record = {"prompt": i, "method": arm.label, "nll": reply_nll(model, ids, reply),
-                      "tokens": reply.shape[1], "fuzzy": sum(out.fuzzy_accepts), "tstamp": time.time()}
+                      "tokens": reply.shape[1], "fuzzy": sum(out.fuzzy_accepts), "accepted": sum(out.accept_lengths),
+                      "verify_steps": out.verify_steps, "wall_time": round(out.wall_time, 4),
+                      "trees": out.tree_steps, "tree_switches": out.tree_switches, "tstamp": time.time()}
             append_record(path, record)
             records.append(record)
     table: dict[str, dict] = {}
     for r in records:
         table.setdefault(r["method"], {})[r["prompt"]] = (r["nll"], max(r["tokens"], 1))
+    times = {m: {r["prompt"]: r["wall_time"] for r in records if r["method"] == m and "wall_time" in r}
+             for m in table}
     result = []
     for (divergence, mode), members in families(arms).items():
         losses = [(a.fsd.threshold, *extra_nll(table[sweep.LOSSLESS], table[a.label])[::2]) for a in members]
         threshold, trials = fixed_sequence(losses, job.nll_bound)
+        ratios = answer_time_ratios(times, members, list(range(len(prompts))))
         result.append({"divergence": divergence, "mode": mode, "threshold": threshold,
-                       "nll_bound": job.nll_bound, "prompts": len(prompts), "trials": [asdict(t) for t in trials]})
+                       "nll_bound": job.nll_bound, "prompts": len(prompts), "trials": [asdict(t) for t in trials],
+                       "answer_time_vs_lossless": ratios, "recommended": recommended(trials, ratios),
+                       "length_vs_lossless": length_ratios(table, members)})
     return {"mode": "nll", "nll_bound": job.nll_bound, "choices": result}
 
 

@@ -228,6 +228,7 @@ def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, ar
             "mode": fsd.mode if fsd else None, "tree": arm.tree, "correct": bool(correct), "detail": detail,
             "new_tokens": out.new_tokens, "wall_time": round(out.wall_time, 4), "verify_steps": out.verify_steps,
             "accepted": sum(out.accept_lengths), "fuzzy": sum(out.fuzzy_accepts), "reply": reply,
+            "trees": out.tree_steps, "tree_switches": out.tree_switches,
             "device": device_name(model.base_model.device), "dtype": str(model.base_model.dtype).removeprefix("torch."),
             "tstamp": time.time()}
 

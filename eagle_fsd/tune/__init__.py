@@ -19,7 +19,12 @@ the replay is exact, and one pool per top_k serves every depth and size). `choos
 is below 1 the engine decodes plainly. Profiles are cached as JSON per model, drafter, device, dtype and threads,
 only when the machine was quiet while timing (trust), and checked against the machine at every load (check_costs).
 
-Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), measure
+Each acceptance rule gets a tree of its own (follow): an FSD rule accepts more than lossless decoding, by a rescue
+rate measured by replay along the same continuations (rule_replay), and every rule's tree is re-chosen while it runs
+from the acceptance it measures, with a margin so that noise does not flip it.
+
+Modules: profile (the formula, CostProfile, choose_shape, Tuning), replay (E[a + 1] by exact greedy replay), follow
+(the tree of a rule, and following it), rule_replay (a rule's rescue rate), measure
 (timing the terms, TuneSettings, the check of a cached profile at load), trust (whether the machine was quiet
 enough to cache what was timed), store (the JSON cache, autotune), dtype (dtype, prepack,
 draft_quant and target_quant "auto"); `eagle-fsd tune` and the cost-curve plot are an app, eagle_fsd.tune_cli. The other

@@ -247,6 +247,7 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds,
                                                                        watch)
     profile.conditions = watch.conditions()
+    profile.calibration = [[x.tolist() + g, x.numel()] for x, g in zip(ids, continuations)]
     return profile
 
 

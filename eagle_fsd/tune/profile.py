@@ -33,6 +33,7 @@ class CostProfile:
     prefill_ms: float = 0.0                     # per prompt token: the target's prefill
     draft_prefill_ms: float = 0.0               # per prompt token: the drafter's prefill
     conditions: dict = field(default_factory=dict)  # how the timings were taken (eagle_fsd.tune.trust)
+    calibration: list = field(default_factory=list)  # [prompt + greedy continuation ids, prompt length] per prompt
 
     def step_ms(self, shape: Shape) -> float:
         n, d, k, v = shape
@@ -104,6 +105,7 @@ class Tuning:
     spec_ms: float = 0.0                   # t_step / E[a + 1] of the shape: ms per token while speculating
     prefill_ms: float = 0.0                # per prompt token, target and drafter (CostProfile)
     draft_prefill_ms: float = 0.0
+    profile: CostProfile | None = None     # what the tree was chosen from (a rule's tree is chosen from it too)
 
     @property
     def tree(self) -> TreeShape:
@@ -120,7 +122,7 @@ def tuning_from(profile: CostProfile, fixed: dict, path: str = "") -> Tuning:
     shape, speedup = choose_shape(profile, **fixed)
     return Tuning(tuple(shape), speedup, profile.plain_ms, dict(profile.verify_ms), speculate=speedup > 1.0,
                   path=path, spec_ms=profile.step_ms(shape) / profile.tau[shape], prefill_ms=profile.prefill_ms,
-                  draft_prefill_ms=profile.draft_prefill_ms)
+                  draft_prefill_ms=profile.draft_prefill_ms, profile=profile)
 
 
 def describe(tuning: Tuning) -> str:

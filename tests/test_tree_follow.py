@@ -1,0 +1,167 @@
+"""A draft tree per acceptance rule: the rescue-rate model over a cost profile, the per-rule replay's verdicts on
+hand-built distributions, the online re-choice on synthetic acceptance streams, and exactness across a switch."""
+import math
+import random
+
+import pytest
+import torch
+
+from eagle_fsd import tune
+from eagle_fsd.drafting import LMDrafter
+from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.tree.shape import TreeShape
+from eagle_fsd.tune.follow import (ShapeFollower, best_shape, depth_acceptance, fit_rescue, lossless_survival,
+                                   predicted_speedup, rule_tau)
+from eagle_fsd.tune.rule_replay import rescue_of, rule_verdicts
+from tiny import WordTokenizer, hf_greedy, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALPHA = (0.7, 0.6, 0.5, 0.4)  # lossless P(depth L accepted | L - 1) on the calibration prompts
+
+
+def chain_profile() -> tune.CostProfile:
+    """Chains (n = d + 1, k = 1) of depth 1..4, acceptance ALPHA, verification costing 10 ms per extra node: at f = 0
+    depths 1 and 2 are near-tied (1.52 vs 1.51 x plain), at f = 1 the deepest wins."""
+    tau, survive, total = {}, 1.0, 1.0
+    for d, a in enumerate(ALPHA, start=1):
+        survive *= a
+        total += survive
+        for n in range(d + 1, 6):
+            tau[(n, d, 1, 0)] = total
+    verify = {n: 30.0 + 10.0 * (n - 1) for n in range(1, 6)}
+    return tune.CostProfile(verify, {(1, 0): 3.0}, {0: 2.0}, overhead_ms=1.0, plain_ms=36.0, tau=tau)
+
+
+def test_zero_rescue_is_the_profiles_own_acceptance():
+    profile = chain_profile()
+    for shape, tau in profile.tau.items():
+        alpha0 = depth_acceptance(lossless_survival(profile, shape))
+        assert rule_tau(alpha0, 0.0) == pytest.approx(tau)
+        assert predicted_speedup(profile, shape, 0.0) == pytest.approx(profile.speedup(shape))
+    assert depth_acceptance(lossless_survival(profile, (5, 4, 1, 0))) == pytest.approx(ALPHA)
+
+
+def test_rescue_moves_every_depth_and_fits_back():
+    alpha0 = list(ALPHA)
+    # f = 0.5 halves every depth's rejections; f = -0.5 halves its acceptances
+    assert rule_tau(alpha0, 0.5) == pytest.approx(1 + 0.85 + 0.85 * 0.8 + 0.85 * 0.8 * 0.75 + 0.85 * 0.8 * 0.75 * 0.7)
+    assert rule_tau(alpha0, -0.5) == pytest.approx(1 + 0.35 + 0.35 * 0.3 + 0.35 * 0.3 * 0.25
+                                                   + 0.35 * 0.3 * 0.25 * 0.2)
+    assert rule_tau(alpha0, 1.0) == pytest.approx(5.0) and rule_tau(alpha0, -1.0) == pytest.approx(1.0)
+    for f in (-0.7, -0.1, 0.0, 0.3, 0.9):
+        assert fit_rescue(alpha0, rule_tau(alpha0, f) - 1) == pytest.approx(f, abs=1e-6)
+    assert fit_rescue(alpha0, 4.0) == pytest.approx(1.0, abs=1e-6)  # every draft accepted
+
+
+def test_the_rules_tree_deepens_with_its_rescue_rate():
+    profile = chain_profile()
+    assert best_shape(profile, 0.0, 0)[0] == (2, 1, 1, 0)
+    assert best_shape(profile, 0.6, 0)[0][1] > 1
+    assert best_shape(profile, 1.0, 0)[0] == (5, 4, 1, 0)
+
+
+def chain_lengths(alpha, depth: int, steps: int, rng: random.Random) -> list[int]:
+    """Accepted lengths of `steps` chain steps of `depth` drafts with per-depth acceptance `alpha`."""
+    out = []
+    for _ in range(steps):
+        a = 0
+        while a < depth and rng.random() < alpha[a]:
+            a += 1
+        out.append(a)
+    return out
+
+
+def test_follower_keeps_its_tree_on_noise_and_switches_when_the_stream_changes():
+    """Lossless acceptance drawn at random: the near-tied choice holds (the margin absorbs the noise). Then the
+    stream rescues 80 % of rejections: the follower moves to a deeper tree within a few checks."""
+    profile = chain_profile()
+    rng = random.Random(0)
+    follower = ShapeFollower(profile, TreeShape(2, 1, 1))
+    for a in chain_lengths(ALPHA, 1, 2000, rng):
+        follower.record(a)
+    assert follower.switches == 0 and follower.shape == TreeShape(2, 1, 1)
+    rescued = [1 - (1 - a) * 0.2 for a in ALPHA]
+    switched_at = None
+    for i, a in enumerate(chain_lengths(rescued, 1, 200, rng)):
+        if follower.record(a) and switched_at is None:
+            switched_at = i
+    assert switched_at is not None and switched_at < 100
+    assert follower.shape.depth > 1 and 0.5 < follower.rescue <= 1.0
+
+
+def test_rule_verdicts_on_hand_built_distributions():
+    """Four positions of a 6-token vocabulary (token 5 is the stop token): 0 the drafter agrees; 1 it disagrees
+    but is close; 2 it disagrees far off; 3 it disagrees where the target's own choice is the stop token."""
+    target = torch.tensor([[4.0, 0, 0, 0, 0, 0], [2.0, 1.9, 0, 0, 0, 0], [3.0, 0, 0, 0, 0, 0],
+                           [0, 1.9, 0, 0, 0, 2.0]])
+    draft = torch.log_softmax(torch.tensor([[3.0, 0, 0, 0, 0, 0], [1.9, 2.0, 0, 0, 0, 0], [0, 0, 0, 0, 3.0, 0],
+                                            [0, 2.0, 0, 0, 0, 1.9]]), -1)
+    stop = torch.tensor([5])
+    lossless, rule = rule_verdicts(target, draft, FsdConfig(threshold=0.1), 6, stop)
+    assert lossless.tolist() == [True, False, False, False]
+    assert rule.tolist() == [True, True, False, True]
+    _, kept = rule_verdicts(target, draft, FsdConfig(threshold=0.1, keep_stop=True), 6, stop)
+    assert kept.tolist() == [True, True, False, False]
+    _, exact = rule_verdicts(target, draft, FsdConfig(threshold=0.0), 6, stop)
+    assert exact.tolist() == lossless.tolist()  # T = 0: lossless
+    _, original = rule_verdicts(target, draft, FsdConfig(threshold=1e-4, mode="original"), 6, stop)
+    assert original.tolist() == [False, False, False, False]  # the paper's rule blocks a match above T
+    assert rescue_of(lossless, rule) == pytest.approx((0.75 - 0.25) / 0.75)
+    assert rescue_of(lossless, original) == pytest.approx(-1.0)
+    assert rescue_of(lossless, lossless) == 0.0
+
+
+def tuned_tiny(profile: tune.CostProfile, shape=(5, 4, 1, 0), drafter_seed: int = 2) -> EaFsdModel:
+    target = tiny_model("llama", seed=1)
+    # the speed guard's yardstick: plain decoding at 10 s a token, so that it never falls back here
+    tuning = tune.Tuning(shape=shape, predicted_speedup=1.5, plain_ms=1e4, verify_ms={1: 1.0}, speculate=True,
+                         profile=profile)
+    return EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=drafter_seed), 1000), *shape[:3],
+                      tuning=tuning)
+
+
+def test_lossless_output_is_unchanged_by_a_switch():
+    """A drafter with the target's weights accepts every draft, far above the profile's acceptance: the lossless
+    rule's tree moves from the shallow chain to the deepest during the call, and the output is still the target's
+    greedy output."""
+    model = tuned_tiny(chain_profile(), shape=(2, 1, 1, 0), drafter_seed=1)
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=120, eos_token_id=[], return_dict=True)
+    assert out.tree_switches >= 1 and set(out.tree_steps) >= {"2/1/1", "5/4/1"}
+    assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, 120))
+    assert model.trees_for(None).shape == TreeShape(5, 4, 1)  # kept for the model's next lossless call
+
+
+def test_an_fsd_rules_first_tree_comes_from_its_replay():
+    """T = inf accepts wherever the drafter proposes: rescue 1, the deepest chain. T = 0 is lossless: rescue 0, the
+    lossless tree. The replay reads the profile's calibration sequences (here the target's own continuation)."""
+    profile = chain_profile()
+    model = tuned_tiny(profile, shape=(2, 1, 1, 0))
+    prompt = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(5))
+    profile.calibration = [[hf_greedy(model.base_model, prompt, 24)[0].tolist(), 7]]
+    wide = model.trees_for(FsdConfig(threshold=math.inf))
+    assert wide.rescue == pytest.approx(1.0) and wide.shape == TreeShape(5, 4, 1)
+    exact = model.trees_for(FsdConfig(threshold=0.0))
+    assert exact.rescue == 0.0 and exact.shape == TreeShape(2, 1, 1)
+    assert model.plan.tree_for(FsdConfig(threshold=math.inf)) == TreeShape(5, 4, 1)
+
+
+def test_bench_prints_each_rules_first_tree_and_its_prediction():
+    from eagle_fsd.eval import bench
+
+    profile = chain_profile()
+    model = tuned_tiny(profile, shape=(2, 1, 1, 0))
+    prompt = torch.randint(0, 1000, (1, 7), generator=torch.Generator().manual_seed(5))
+    profile.calibration = [[hf_greedy(model.base_model, prompt, 24)[0].tolist(), 7]]
+    job = bench.BenchJob(settings=None, fsd_rows=[FsdConfig(threshold=math.inf)])
+    predictions = bench.rule_predictions(model, job)
+    lossless, fuzzy = predictions["eagle-fsd"], predictions["fsd kl_qp T=inf"]
+    assert lossless["first_tree"] == "2/1/1" and lossless["rescue"] == 0.0
+    assert lossless["speedup_per_token"] == pytest.approx(profile.speedup((2, 1, 1, 0)), abs=1e-3)
+    assert fuzzy["first_tree"] == "5/4/1" and fuzzy["tau"] == pytest.approx(5.0)
+    result = {"rows": [{"method": "plain", "tokens_per_s": 10.0}, {"method": "eagle-fsd", "tokens_per_s": 15.0},
+                       {"method": "fsd kl_qp T=inf", "tokens_per_s": 20.0}]}
+    bench.add_predictions(result, predictions)
+    assert result["rows"][2]["measured_over_plain"] == 2.0 and result["rows"][2]["prediction"] == fuzzy
