@@ -192,16 +192,17 @@ def fuzzy_allowed(target_logits: torch.Tensor, candidates: torch.Tensor, target_
         allowed &= ~torch.isin(target_choice, stop_ids.to(target_choice.device))
     if fsd.top_r is None and fsd.margin is None and fsd.min_entropy is None:
         return allowed
-    logp = torch.log_softmax(target_logits[:, :vocab_size].float(), dim=-1)
+    logits = target_logits[:, :vocab_size].float().contiguous()
     if fsd.min_entropy is not None:  # H(p) = -sum p log p, with 0 log 0 = 0
-        allowed &= torch.special.entr(logp.exp()).sum(-1) > fsd.min_entropy
+        allowed &= torch.special.entr(torch.softmax(logits, dim=-1)).sum(-1) > fsd.min_entropy
     if fsd.top_r is not None or fsd.margin is not None:
+        # ranks and log p(x) - max log p are read off the logits: the log-normaliser cancels in both
         inside = (candidates >= 0) & (candidates < vocab_size)
-        chosen = logp.gather(1, candidates.clamp(0, vocab_size - 1)[:, None])[:, 0]
+        chosen = logits.gather(1, candidates.clamp(0, vocab_size - 1)[:, None])[:, 0]
         if fsd.top_r is not None:  # rank = how many tokens the target prefers strictly
-            allowed &= inside & ((logp > chosen[:, None]).sum(-1) < fsd.top_r)
+            allowed &= inside & ((logits > chosen[:, None]).sum(-1) < fsd.top_r)
         if fsd.margin is not None:
-            allowed &= inside & (chosen >= logp.max(-1).values - fsd.margin)
+            allowed &= inside & (chosen >= logits.max(-1).values - fsd.margin)
     return allowed
 
 

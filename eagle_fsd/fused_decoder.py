@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -209,65 +210,99 @@ def fused_decoder_forward(model, input_ids: torch.Tensor, cache, attention_mask:
     eagle_fsd.hf.decoder_outputs returns them (EAGLE-3; entering layer L, past the last, is the final-norm state).
     On top of a cached prefix the whole forward is one C++ call where `RowsPlan` allows (the same steps and bits as
     layer by layer, which `layer_by_layer()` keeps, for tests and A/Bs)."""
-    decoder, config = model.get_decoder(), model.config
-    n = input_ids.numel()
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    decoder = model.get_decoder()
     start = cache.get_seq_length()
     # on top of a cached prefix (verification, plain steps, draft levels, catch-up); a prompt goes to SDPA
     in_rows = start > 0 and run.backend == "auto" and isinstance(cache, TreeCache) and run.rows_attend
     visible = attention_mask[0, 0].contiguous() if in_rows else None  # (n, start + n): committed prefix, tree
-
-    like_transformers = run.exact and not run.rows_attend  # a float target: transformers' bits
-
-    def norm(module, x):
-        if like_transformers:
-            return rms_norm_like_transformers(x, module.weight, module.variance_epsilon)
-        return rms_norm(x, module.weight, module.variance_epsilon)
-
     x = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(x[None], positions[None])
     cos, sin = cos[0].contiguous(), sin[0].contiguous()
     if in_rows and _one_call[0] and feature_layers is None:
         plan = rows_plan(decoder)
         if plan.calls is not None:
-            return rows_in_one_call(decoder, plan, x, cache, (cos, sin), start, visible, config)
-    state = ForwardState(run.backend, fp64=run.fp64_attention)
-    entering = None if feature_layers is None else []  # the states entering each layer, for EAGLE-3 only
-    for layer in decoder.layers:
-        if entering is not None:
-            entering.append(x)
-        attention, mlp = layer.self_attn, layer.mlp
+            return rows_in_one_call(decoder, plan, x, cache, (cos, sin), start, visible, model.config)
+    layers = LayerByLayer(cache, start, attention_mask, visible, (cos, sin), input_ids.numel(), model.config,
+                          ForwardState(run.backend, fp64=run.fp64_attention),
+                          like_transformers=run.exact and not run.rows_attend)  # a float target: transformers' bits
+    return layers.forward(decoder, x, feature_layers)
+
+
+@dataclass
+class LayerByLayer:
+    """What the layers of one layer-by-layer forward share: the cache they append to and its length before this
+    forward, the mask, the rows' visible keys (None: attention through the engine's attention function instead of
+    decoder_glue.attend over the cache), the rope tables (cos, sin) at the rows' positions, the number of rows, the
+    model config, the attention's forward state, and which norm (transformers' own operators, or one C++ loop)."""
+
+    cache: object
+    start: int
+    attention_mask: torch.Tensor
+    visible: torch.Tensor | None
+    rope_tables: tuple[torch.Tensor, torch.Tensor]
+    n: int
+    config: object
+    state: ForwardState
+    like_transformers: bool = False
+
+    def forward(self, decoder, x: torch.Tensor, feature_layers: tuple[int, ...] | None):
+        """The final-norm states of the rows `x` (n, H); with feature_layers, also the states entering those layers."""
+        entering = None if feature_layers is None else []  # the states entering each layer, for EAGLE-3 only
+        for layer in decoder.layers:
+            if entering is not None:
+                entering.append(x)
+            x = self.layer(layer, x)
+        last = self.norm(decoder.norm, x)
+        if feature_layers is None:
+            return last
+        entering.append(last)
+        return last, torch.cat([entering[i] for i in feature_layers], dim=-1)
+
+    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        if self.like_transformers:
+            return rms_norm_like_transformers(x, module.weight, module.variance_epsilon)
+        return rms_norm(x, module.weight, module.variance_epsilon)
+
+    def layer(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """One decoder layer: attention, then the gated MLP, each added to the residual stream."""
         plan = layer_plan(layer)
-        h = norm(layer.input_layernorm, x)
-        if in_rows:
-            storage = cache.layers[attention.layer_idx]
-            if start + n > storage.max_len:
-                raise RuntimeError(f"KV cache overflow: {start + n} tokens > preallocated {storage.max_len}")
-            qkv = plan.qkv(h) if plan.qkv is not None else torch.cat([m(h) for m in plan.modules[:3]], -1)
-            out = attend(qkv, cos, sin, storage.keys, storage.values, start,
-                         visible, heads, kv_heads, attention.scaling)
-            storage.length = start + n
+        h = self.norm(layer.input_layernorm, x)
+        if self.visible is not None:
+            out = self.attend_over_cache(layer.self_attn, plan, h)
         else:
-            q = rope(attention.q_proj(h), cos, sin, heads)
-            k = rope(attention.k_proj(h), cos, sin, kv_heads)
-            v = attention.v_proj(h).view(1, n, kv_heads, -1).transpose(1, 2)
-            k, v = cache.update(k, v, attention.layer_idx)
-            out, _ = eagle_fsd_attention(attention, q, k, v, attention_mask, scaling=attention.scaling,
-                                         eagle_fsd_forward=state)
-            out = out.reshape(n, -1)
+            out = self.attend_through_engine(layer.self_attn, h)
         x = x + plan.o(out)
-        h = norm(layer.post_attention_layernorm, x)
+        h = self.norm(layer.post_attention_layernorm, x)
         if plan.gate_up is not None:
             gate_up = plan.gate_up(h)
             gate, up = gate_up.split(gate_up.shape[-1] // 2, -1)
         else:
-            gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-        x = x + plan.down(silu_mul(gate, up))
-    last = norm(decoder.norm, x)
-    if feature_layers is None:
-        return last
-    entering.append(last)
-    return last, torch.cat([entering[i] for i in feature_layers], dim=-1)
+            gate, up = layer.mlp.gate_proj(h), layer.mlp.up_proj(h)
+        return x + plan.down(silu_mul(gate, up))
+
+    def attend_over_cache(self, attention, plan: LayerPlan, h: torch.Tensor) -> torch.Tensor:
+        """Rope, store and attend in one C++ call (decoder_glue.attend) on top of the cached prefix."""
+        storage = self.cache.layers[attention.layer_idx]
+        start, n = self.start, self.n
+        if start + n > storage.max_len:
+            raise RuntimeError(f"KV cache overflow: {start + n} tokens > preallocated {storage.max_len}")
+        qkv = plan.qkv(h) if plan.qkv is not None else torch.cat([m(h) for m in plan.modules[:3]], -1)
+        out = attend(qkv, *self.rope_tables, storage.keys, storage.values, start, self.visible,
+                     self.config.num_attention_heads, self.config.num_key_value_heads, attention.scaling)
+        storage.length = start + n
+        return out
+
+    def attend_through_engine(self, attention, h: torch.Tensor) -> torch.Tensor:
+        """Rope q and k, append k and v to the cache, attend through the engine's attention function (SDPA)."""
+        cos, sin = self.rope_tables
+        n, kv_heads = self.n, self.config.num_key_value_heads
+        q = rope(attention.q_proj(h), cos, sin, self.config.num_attention_heads)
+        k = rope(attention.k_proj(h), cos, sin, kv_heads)
+        v = attention.v_proj(h).view(1, n, kv_heads, -1).transpose(1, 2)
+        k, v = self.cache.update(k, v, attention.layer_idx)
+        out, _ = eagle_fsd_attention(attention, q, k, v, self.attention_mask, scaling=attention.scaling,
+                                     eagle_fsd_forward=self.state)
+        return out.reshape(n, -1)
 
 
 def rows_in_one_call(decoder, plan: RowsPlan, x, cache, rope_tables: tuple, start: int, visible,

@@ -53,6 +53,78 @@ def _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, key_ok, HAS_MASK: tl.constexp
 
 
 @triton.jit
+def _load_kv(k_ptrs, v_ptrs, key_ok, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """One K tile and one V tile (BLOCK, HEAD_DIM). MASKED: keys where key_ok (BLOCK,) is False read as zeros;
+    unmasked, key_ok is not read (the prefix's full tiles do no mask work)."""
+    if MASKED:
+        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attend_prefix(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, qk_scale,
+                   BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Phase 1: the prefix keys [lo, hi) from k_ptrs / v_ptrs (at key lo), full BLOCK_N tiles without any mask work,
+    then one boundary-masked tail tile."""
+    offs_n = tl.arange(0, BLOCK_N)
+    no_mask = offs_n[None, :] < BLOCK_N  # all True; unused when HAS_MASK is False
+    n_full = tl.maximum(hi - lo, 0) // BLOCK_N
+    for _ in range(0, n_full):
+        k, v = _load_kv(k_ptrs, v_ptrs, offs_n, False, UPCAST)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, no_mask, False, IEEE)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    tail = lo + n_full * BLOCK_N
+    if tail < hi:
+        k_ok = (tail + offs_n) < hi
+        k, v = _load_kv(k_ptrs, v_ptrs, k_ok, True, UPCAST)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, k_ok[None, :], True, IEEE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_tree(acc, l_i, m_i, q, kt_ptrs, vt_ptrs, word_ptrs, row_ok, N, stride_kn, stride_vn, qk_scale,
+                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Phase 2: the N tree keys from kt_ptrs / vt_ptrs (at key P), 32 keys per tile, one int32 mask word per row and
+    tile from word_ptrs; a tile no row of the block sees is skipped."""
+    offs_t = tl.arange(0, 32)
+    for j0 in range(0, N, 32):
+        words = tl.load(word_ptrs + j0 // 32, mask=row_ok, other=0)
+        if tl.sum((words != 0).to(tl.int32), 0) > 0:  # skip tiles no row of this block can see
+            j_ok = (j0 + offs_t) < N
+            bits = (((words[:, None] >> offs_t[None, :]) & 1) != 0) & j_ok[None, :]
+            k, v = _load_kv(kt_ptrs, vt_ptrs, j_ok, True, UPCAST)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, bits, True, IEEE)
+        kt_ptrs += 32 * stride_kn
+        vt_ptrs += 32 * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_rows(acc, l_i, m_i, rows, row_ok, pid_s, OUT, WS_O, WS_LSE, R_TOTAL,
+                HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
+    """Epilogue: the normalised rows to OUT at `rows` of the (B, N, Hq) output or, with SPLIT, as float32 partials
+    with their log2-sum-exp to this split's part of WS_O / WS_LSE."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        ws = pid_s.to(tl.int64) * R_TOTAL + rows
+        tl.store(WS_O + ws[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), _NEG_BIG)
+        tl.store(WS_LSE + ws, lse, mask=row_ok)
+    else:
+        tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _tree_attn_fwd(
     Q, K, V, MASK, OUT, WS_O, WS_LSE,
     stride_qb, stride_qh, stride_qn,  # head_dim strides are 1 (the host makes sure), so tile loads vectorise
@@ -69,91 +141,40 @@ def _tree_attn_fwd(
     UPCAST: tl.constexpr,  # compute in float32 after the loads (bf16 under the interpreter)
     IEEE: tl.constexpr,  # float32 operands: IEEE dots, not TF32
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // HKV
+    pid_m, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b64 = (pid_bh // HKV).to(tl.int64)
     hkv = pid_bh % HKV
-    b64 = b.to(tl.int64)
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < M_TOTAL
     qi = offs_m // G  # tree query index of each packed row
-    qg = offs_m % G  # head within the GQA group
-    qh = hkv * G + qg  # query head
-
+    qh = hkv * G + offs_m % G  # query head: this KV head's group, the row's head within it
     q_ptrs = (Q + b64 * stride_qb + qh[:, None].to(tl.int64) * stride_qh + qi[:, None].to(tl.int64) * stride_qn
               + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-
     k_base = K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
-
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    no_mask = offs_n[None, :] < BLOCK_N  # all True; unused when HAS_MASK is False
-
-    # ---- phase 1: this split's prefix chunk [lo, hi), no mask work on full tiles ----
+    # phase 1: this split's prefix chunk [lo, hi)
     lo = pid_s * CHUNK
     hi = tl.minimum(lo + CHUNK, P)
-    n_full = tl.maximum(hi - lo, 0) // BLOCK_N
-    k_ptrs = k_base + (lo + offs_n)[:, None].to(tl.int64) * stride_kn + offs_d[None, :]
-    v_ptrs = v_base + (lo + offs_n)[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
-    for _ in range(0, n_full):
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, no_mask, False, IEEE)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    tail = lo + n_full * BLOCK_N
-    if tail < hi:
-        k_ok = (tail + offs_n) < hi
-        k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, k_ok[None, :], True, IEEE)
-
-    # ---- phase 2 (last split only): the N tree keys at [P, P + N), 32 keys (one mask word per row) per tile ----
+    keys = (lo + tl.arange(0, BLOCK_N))[:, None].to(tl.int64)
+    acc, l_i, m_i = _attend_prefix(acc, l_i, m_i, q, k_base + keys * stride_kn + offs_d[None, :],
+                                   v_base + keys * stride_vn + offs_d[None, :], lo, hi, stride_kn, stride_vn,
+                                   qk_scale, BLOCK_N, UPCAST, IEEE)
+    # phase 2 (last split only): the N tree keys at [P, P + N)
     if pid_s == tl.num_programs(2) - 1:
-        offs_t = tl.arange(0, 32)
-        word_ptrs = MASK + b64 * stride_mb + qi.to(tl.int64) * W
-        kt_ptrs = k_base + (P + offs_t)[:, None].to(tl.int64) * stride_kn + offs_d[None, :]
-        vt_ptrs = v_base + (P + offs_t)[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
-        for j0 in range(0, N, 32):
-            words = tl.load(word_ptrs + j0 // 32, mask=row_ok, other=0)
-            if tl.sum((words != 0).to(tl.int32), 0) > 0:  # skip tiles no row of this block can see
-                j_ok = (j0 + offs_t) < N
-                bits = (((words[:, None] >> offs_t[None, :]) & 1) != 0) & j_ok[None, :]
-                k = tl.load(kt_ptrs, mask=j_ok[:, None], other=0.0)
-                v = tl.load(vt_ptrs, mask=j_ok[:, None], other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, qk_scale, bits, True, IEEE)
-            kt_ptrs += 32 * stride_kn
-            vt_ptrs += 32 * stride_vn
-
-    # ---- epilogue ----
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+        tree_keys = (P + tl.arange(0, 32))[:, None].to(tl.int64)
+        acc, l_i, m_i = _attend_tree(acc, l_i, m_i, q, k_base + tree_keys * stride_kn + offs_d[None, :],
+                                     v_base + tree_keys * stride_vn + offs_d[None, :],
+                                     MASK + b64 * stride_mb + qi.to(tl.int64) * W, row_ok, N, stride_kn, stride_vn,
+                                     qk_scale, UPCAST, IEEE)
     rows = (b64 * N + qi.to(tl.int64)) * HQ + qh  # row of the (B, N, Hq) output, same order in the workspace
-    if SPLIT:
-        ws = pid_s.to(tl.int64) * R_TOTAL + rows
-        tl.store(WS_O + ws[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), _NEG_BIG)
-        tl.store(WS_LSE + ws, lse, mask=row_ok)
-    else:
-        tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(acc, l_i, m_i, rows, row_ok, pid_s, OUT, WS_O, WS_LSE, R_TOTAL, HEAD_DIM, SPLIT)
 
 
 @triton.jit

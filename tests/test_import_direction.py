@@ -248,3 +248,31 @@ def test_the_loop_is_short():
     tree = ast.parse((ROOT / "eagle_fsd" / "model.py").read_text())
     loop = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "_generate")
     assert loop.end_lineno - loop.lineno + 1 <= MAX_LOOP_LINES
+
+
+# ----------------------------------------------------------------------------- size
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 50  # def line to last line; a nested function counts on its own (and inside its parent)
+
+
+def source_files():
+    """Every module of the package folders (eagle_fsd, tree, kernels, eval)."""
+    for folder in SOURCE_DIRS:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def function_lines(function: ast.FunctionDef) -> int:
+    return function.end_lineno - function.lineno + 1
+
+
+def test_no_file_over_400_lines():
+    long = [f"{path.relative_to(ROOT)}: {lines} lines" for path in source_files()
+            if (lines := path.read_text().count("\n")) > MAX_FILE_LINES]
+    assert not long, f"split these files (at most {MAX_FILE_LINES} lines):\n" + "\n".join(long)
+
+
+def test_no_function_over_50_lines():
+    long = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {function_lines(node)} lines"
+            for path in source_files() for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and function_lines(node) > MAX_FUNCTION_LINES]
+    assert not long, f"split these functions (at most {MAX_FUNCTION_LINES} lines):\n" + "\n".join(long)
