@@ -7,13 +7,14 @@ or for f < 0 the share of its acceptances that are lost. Per depth L of a shape,
 
     alpha_L(f) = 1 - (1 - alpha0_L) (1 - f)      (f >= 0)
     alpha_L(f) = alpha0_L (1 + f)                (f < 0)
-    E[a + 1 | shape, f] = 1 + sum_L prod_{i <= L} alpha_i(f)
+    E[a + 1 | shape, f] = 1 + sum_L prod_{i <= L} alpha_i(f),   L = 1 .. min(d + 1, n - 1)
 
-where alpha0_L = P(depth L accepted | depth L - 1 accepted) read off the profile's lossless E[a + 1] of the same
-tree cut at depths L - 1 and L (E[a + 1 | n, L] - E[a + 1 | n, L - 1] = P(a >= L)). f = 0 gives the profile back.
-A rule's f comes from the per-rule replay (eagle_fsd.tune.replay.rescue_rate) before it has run, and from the
-acceptance it measures while it runs (fit_rescue: the f whose predicted E[a] on the running shape is the observed
-one). The tree is the argmax of E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary.
+(a tree of n nodes grown by d draft forwards holds an accepted chain of at most min(d + 1, n - 1) drafts). alpha0_L
+is the profile's per-depth acceptance of the biggest tree of the shape's branching and draft vocabulary, moved by
+the one rate that makes E[a + 1 | shape, 0] the profile's own for that shape. A rule's f comes from the per-rule
+replay (eagle_fsd.tune.rule_replay) before it has run, and from the acceptance it measures while it runs
+(fit_rescue: the f whose predicted E[a] on the running shape is the observed one). The tree is the argmax of
+E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary.
 """
 from __future__ import annotations
 
@@ -23,42 +24,33 @@ from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune.profile import CostProfile, Shape
 
 
-def lossless_survival(profile: CostProfile, shape: Shape) -> list[float]:
-    """[L - 1] = P(a >= L) under the lossless rule for L = 1 .. d, non-increasing in [0, 1]. A cut (n, L) the
-    replay did not measure (n bigger than L levels can grow) takes the biggest tree measured at that depth."""
+def levels(shape: Shape) -> int:
+    """How deep an accepted chain can go in a tree of n nodes grown by d draft forwards: min(d + 1, n - 1)."""
+    n, d, _, _ = shape
+    return max(min(d + 1, n - 1), 0)
+
+
+def move(alpha: float, rescue: float) -> float:
+    """One depth's acceptance moved by rescue rate f (module docstring)."""
+    return 1.0 - (1.0 - alpha) * (1.0 - rescue) if rescue >= 0 else alpha * (1.0 + rescue)
+
+
+def lossless_acceptance(profile: CostProfile, shape: Shape) -> list[float]:
+    """alpha0_L for L = 1 .. levels(shape): the profile's per-depth acceptance of the biggest tree of the shape's
+    branching and draft vocabulary, moved by the one rate that makes E[a + 1] the profile's own for this shape
+    (so f = 0 gives the profile back)."""
     n, d, k, v = shape
-    out, before = [], 1.0
-    for depth in range(1, d + 1):
-        tau = _tau_at(profile, n, depth, k, v)
-        previous = _tau_at(profile, n, depth - 1, k, v) if depth > 1 else 1.0
-        p = min(max(tau - previous, 0.0), before, 1.0)
-        out.append(p)
-        before = p
-    return out
-
-
-def _tau_at(profile: CostProfile, n: int, depth: int, k: int, v: int) -> float:
-    if (n, depth, k, v) in profile.tau:
-        return profile.tau[(n, depth, k, v)]
-    sizes = [s[0] for s in profile.tau if s[1:] == (depth, k, v) and s[0] <= n]
-    return profile.tau[(max(sizes), depth, k, v)] if sizes else 1.0
-
-
-def depth_acceptance(survival: list[float]) -> list[float]:
-    """alpha_L = P(a >= L) / P(a >= L - 1)."""
-    out, before = [], 1.0
-    for p in survival:
-        out.append(p / before if before > 0 else 0.0)
-        before = p
-    return out
+    depth = levels(shape)
+    alpha = list(profile.acceptance_by_depth.get((k, v), []))[:depth]
+    alpha += [alpha[-1] if alpha else 0.5] * (depth - len(alpha))
+    return [move(a, fit_rescue(alpha, profile.tau[shape] - 1.0)) for a in alpha]
 
 
 def rule_tau(alpha0: list[float], rescue: float) -> float:
     """E[a + 1] with each depth's lossless acceptance alpha0 moved by the rescue rate (module docstring)."""
     tau, survive = 1.0, 1.0
     for a in alpha0:
-        alpha = 1.0 - (1.0 - a) * (1.0 - rescue) if rescue >= 0 else a * (1.0 + rescue)
-        survive *= alpha
+        survive *= move(a, rescue)
         tau += survive
     return tau
 
@@ -78,8 +70,7 @@ def fit_rescue(alpha0: list[float], mean_accepted: float, iterations: int = 40) 
 
 def predicted_speedup(profile: CostProfile, shape: Shape, rescue: float) -> float:
     """E[a + 1 | shape, f] t_plain / t_step(shape)."""
-    alpha0 = depth_acceptance(lossless_survival(profile, shape))
-    return rule_tau(alpha0, rescue) * profile.plain_ms / profile.step_ms(shape)
+    return rule_tau(lossless_acceptance(profile, shape), rescue) * profile.plain_ms / profile.step_ms(shape)
 
 
 def candidate_shapes(profile: CostProfile, draft_vocab: int) -> list[Shape]:
@@ -133,7 +124,7 @@ class ShapeFollower:
         current = self._key(self.shape)
         if current not in self.profile.tau:
             return False
-        alpha0 = depth_acceptance(lossless_survival(self.profile, current))
+        alpha0 = lossless_acceptance(self.profile, current)
         self.rescue = fit_rescue(alpha0, sum(self.accepted) / len(self.accepted))
         best, speedup = best_shape(self.profile, self.rescue, self.shape.draft_vocab)
         if best == current or speedup < predicted_speedup(self.profile, current, self.rescue) * (1 + self.margin):
@@ -148,6 +139,6 @@ def rule_prediction(profile: CostProfile, shape: TreeShape, rescue: float) -> di
     """What the cost model predicts for a rule on `shape` at rescue rate f: E[a + 1], t_step and the speedup over
     plain decoding per new token (prefill aside)."""
     key = ShapeFollower._key(shape)
-    tau = rule_tau(depth_acceptance(lossless_survival(profile, key)), rescue)
+    tau = rule_tau(lossless_acceptance(profile, key), rescue)
     step = profile.step_ms(key)
     return {"tau": tau, "step_ms": step, "speedup_per_token": tau * profile.plain_ms / step}
