@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from eagle_fsd.fsd import DIVERGENCES, FSD_MODES, FsdConfig
 from eagle_fsd.settings import Settings
+from eagle_fsd import steps
 from eagle_fsd.tree.shape import TreeShape
 
 PLAIN, LOSSLESS = "plain", "lossless"
@@ -35,10 +36,7 @@ class Arm:
 
 def tree_label(shape: TreeShape | None) -> str | None:
     """TreeShape(16, 5, 2) -> "16/5/2" (with "/V" for a draft vocabulary of V tokens); None -> None."""
-    if shape is None:
-        return None
-    vocab = f"/{shape.draft_vocab}" if shape.draft_vocab else ""
-    return f"{shape.total_token}/{shape.depth}/{shape.branching}{vocab}"
+    return None if shape is None else steps.tree_label(shape)
 
 
 def on_tree(label: str, shape: TreeShape | None) -> str:
