@@ -114,12 +114,12 @@ def summarize_rows(totals, per_question, questions: int) -> list[dict]:
             row["fuzzy_fraction"] = round(t["fuzzy"] / max(t["accepted"], 1), 3)
             row["trees"] = {k.removeprefix("tree "): int(v) for k, v in t.items() if k.startswith("tree ")}
             row["tree_switches"] = int(t["tree_switches"])
+            row.update(step_costs(t, questions))
         if name.startswith("fsd") and "eagle-fsd" in totals:  # per answer: what a user waits for, longer replies too
             lossless = totals["eagle-fsd"]
             row["answer_time_vs_lossless"] = round(lossless["seconds"] / t["seconds"], 3)
             row["length_vs_lossless"] = round(t["tokens"] / lossless["tokens"], 3)
             row["plain_steps"] = int(t["plain_steps"])
-            row["phase_seconds"] = {p: round(t[f"phase_{p}"], 2) for p in PHASES if f"phase_{p}" in t}
         if name != "hf-generate" and not lossy(name):
             row["identical_to_hf_generate"] = f"{int(t['identical'])}/{questions}"
             # new tokens equal to the reference's before the first difference, averaged over the questions
@@ -133,6 +133,20 @@ def summarize_rows(totals, per_question, questions: int) -> list[dict]:
                 row["identical_to_llama_cpp_plain"] = f"{int(t['identical_to_llama_cpp'])}/{questions}"
         rows.append(row)
     return rows
+
+
+def step_costs(t: dict, answers: int) -> dict:
+    """An engine row's time after the prefills (the cost model's terms): seconds per phase, ms per new token (the
+    first token of each answer comes from its prefill), new tokens per step (E[a + 1]) and ms per step,
+    verification and the rest apart."""
+    phases = {p: t[f"phase_{p}"] for p in PHASES if f"phase_{p}" in t}
+    steps_seconds = sum(phases.values()) - phases.get("draft_prefill", 0.0)
+    steps = max(t["steps"], 1)
+    return {"phase_seconds": {p: round(s, 2) for p, s in phases.items()},
+            "ms_per_token_after_prefill": round(1000 * steps_seconds / max(t["tokens"] - answers, 1), 3),
+            "tokens_per_step": round((t["tokens"] - answers) / steps, 3),
+            "step_ms": {"verify": round(1000 * phases.get("verify", 0.0) / steps, 2),
+                        "drafting": round(1000 * (steps_seconds - phases.get("verify", 0.0)) / steps, 2)}}
 
 
 def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict:
@@ -191,10 +205,17 @@ def print_table(result: dict) -> None:
                   f"replies, replies {r['length_vs_lossless']:.2f}x as long")
     for r in result["rows"]:
         if r.get("trees"):
-            print(f"{r['method']} trees (steps): {r['trees']}, {r['tree_switches']} switches" + (
-                f"; first tree {r['prediction']['first_tree']} at rescue rate {r['prediction']['rescue']:.2f}: "
-                f"predicted {r['prediction']['speedup_per_token']:.2f}x plain per token, measured "
-                f"{r.get('measured_over_plain', float('nan')):.2f}x" if "prediction" in r else ""))
+            print(f"{r['method']} trees (steps): {r['trees']}, {r['tree_switches']} switches")
+    for r in result["rows"]:
+        if "prediction" in r and "measured_over_plain_per_token" in r:
+            p, step = r["prediction"], r["step_ms"]
+            print(f"cost model, {r['method']}: first tree {p['first_tree']} at rescue rate {p['rescue']:.2f}; per new "
+                  f"token after the prefill predicted {p['speedup_per_token']:.2f}x plain, measured "
+                  f"{r['measured_over_plain_per_token']:.2f}x ({100 * r['prediction_error']:+.0f} %): tau "
+                  f"{p['tau']:.2f} / {r['tokens_per_step']:.2f}, step {p['step_ms']:.1f} / "
+                  f"{step['verify'] + step['drafting']:.1f} ms (verify {p['verify_ms']:.1f} / {step['verify']:.1f}, "
+                  f"drafting and loop {p['drafting_ms']:.1f} / {step['drafting']:.1f}), t_plain {p['plain_ms']:.1f} / "
+                  f"{r['plain_ms_per_token']:.1f} ms (predicted / measured)")
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
@@ -209,12 +230,22 @@ def print_table(result: dict) -> None:
 
 
 def add_predictions(result: dict, predictions: dict[str, dict]) -> None:
-    """Each rule's row gets the cost model's prediction over plain decoding (per new token) beside what it measured
-    over the plain row."""
+    """Each rule's row gets the cost model's prediction over plain decoding beside what it measured over the plain
+    row: tokens/s over the whole answers, and like for like with the prediction, per new token after the prefills
+    (prediction_error: predicted / measured - 1), with the measured terms (t_plain)."""
     by_name = {r["method"]: r for r in result["rows"]}
+    plain = by_name.get("plain")
     for name, predicted in predictions.items():
         row = by_name.get(name)
-        if row is not None:
-            row["prediction"] = predicted
-            if "plain" in by_name:
-                row["measured_over_plain"] = round(row["tokens_per_s"] / by_name["plain"]["tokens_per_s"], 3)
+        if row is None:
+            continue
+        row["prediction"] = predicted
+        if plain is None:
+            continue
+        row["measured_over_plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
+        if "ms_per_token_after_prefill" in row and "ms_per_token_after_prefill" in plain:
+            measured = plain["ms_per_token_after_prefill"] / row["ms_per_token_after_prefill"]
+            row["measured_over_plain_per_token"] = round(measured, 3)
+            row["prediction_error"] = round(predicted["speedup_per_token"] / measured - 1, 3)
+            row["plain_ms_per_token"] = plain["ms_per_token_after_prefill"]
+

@@ -1,6 +1,7 @@
 """A draft tree per acceptance rule: the rescue-rate model over a cost profile, the per-rule replay's verdicts on
 hand-built distributions, the online re-choice on synthetic acceptance streams, and exactness across a switch."""
 import math
+from collections import defaultdict
 import random
 
 import pytest
@@ -11,8 +12,8 @@ from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tree.shape import TreeShape
-from eagle_fsd.tune.follow import (ShapeFollower, best_shape, fit_rescue, lossless_acceptance, predicted_speedup,
-                                   rule_tau)
+from eagle_fsd.tune.follow import (ShapeFollower, best_shape, deeper_chains, fit_rescue, lossless_acceptance,
+                                   predicted_speedup, rule_tau)
 from eagle_fsd.tune.rule_replay import rescue_of, rule_verdicts
 from tiny import WordTokenizer, hf_greedy, tiny_model
 
@@ -70,6 +71,20 @@ def test_the_rules_tree_deepens_with_its_rescue_rate():
         return (1 + min(d + 1, n - 1)) * profile.plain_ms / profile.step_ms(shape)
 
     assert best_shape(profile, 1.0, 0)[0] == max(profile.tau, key=lambda s: (every_draft_accepted(s), -s[0]))
+
+
+def test_chains_deeper_than_the_replay_are_candidates_at_the_deepest_rate():
+    """The replay went to depth 3 (4 levels); verification is measured up to 10 nodes. A rule that accepts every
+    draft is not capped at the replayed depth: the deepest chain wins, and its acceptance beyond depth 4 is depth
+    4's. The lossless rule keeps a replayed tree."""
+    profile = chain_profile()
+    profile.verify_ms.update({n: 30.0 + 4.0 * (n - 1) for n in range(1, 11)})
+    assert deeper_chains(profile, 0) == [(6, 4, 1, 0), (7, 5, 1, 0), (8, 6, 1, 0), (9, 7, 1, 0), (10, 8, 1, 0)]
+    assert lossless_acceptance(profile, (8, 6, 1, 0)) == pytest.approx(list(ALPHA) + [ALPHA[-1]] * 3, abs=1e-6)
+    assert best_shape(profile, 1.0, 0)[0] == (10, 8, 1, 0)
+    assert rule_tau(lossless_acceptance(profile, (10, 8, 1, 0)), 1.0) == pytest.approx(10.0)
+    assert best_shape(profile, 0.0, 0)[0] in profile.tau
+    assert ShapeFollower(profile, TreeShape(3, 1, 1)).room == TreeShape(10, 8, 1)
 
 
 def chain_lengths(alpha, depth: int, steps: int, rng: random.Random) -> list[int]:
@@ -171,7 +186,20 @@ def test_bench_prints_each_rules_first_tree_and_its_prediction():
     assert lossless["first_tree"] == "3/1/1" and lossless["rescue"] == 0.0
     assert lossless["speedup_per_token"] == pytest.approx(profile.speedup((3, 1, 1, 0)), abs=1e-3)
     assert fuzzy["first_tree"] == "5/3/1" and fuzzy["tau"] == pytest.approx(5.0)
-    result = {"rows": [{"method": "plain", "tokens_per_s": 10.0}, {"method": "eagle-fsd", "tokens_per_s": 15.0},
-                       {"method": "fsd kl_qp T=inf", "tokens_per_s": 20.0}]}
+    # two answers each; plain: 41 tokens in 40 steps after the prefills, 2 s of steps (50 ms a token); the rule: 41
+    # tokens in 8 steps, 0.5 s (verify 0.3 s): 4x plain per new token, E[a + 1] 5 per step
+    totals = {"plain": {"tokens": 42, "seconds": 4.2, "steps": 40, "fuzzy": 0, "accepted": 0, "tree_switches": 0,
+                        "phase_verify": 1.8, "phase_other": 0.2},
+              "fsd kl_qp T=inf": {"tokens": 42, "seconds": 2.1, "steps": 8, "fuzzy": 8, "accepted": 32,
+                                  "tree_switches": 0, "phase_draft_prefill": 0.4, "phase_verify": 0.3,
+                                  "phase_draft": 0.15, "phase_accept": 0.05}}
+    totals = {k: defaultdict(float, v) for k, v in {"hf-generate": {"tokens": 42, "seconds": 8.4}, **totals}.items()}
+    rows = bench.summarize_rows(totals, {k: [1.0, 1.0] for k in totals}, 2)
+    result = {"rows": rows}
     bench.add_predictions(result, predictions)
-    assert result["rows"][2]["measured_over_plain"] == 2.0 and result["rows"][2]["prediction"] == fuzzy
+    row = result["rows"][2]
+    assert row["measured_over_plain"] == 2.0 and row["prediction"] == fuzzy
+    assert row["ms_per_token_after_prefill"] == pytest.approx(12.5) and row["tokens_per_step"] == pytest.approx(5.0)
+    assert row["step_ms"] == {"verify": 37.5, "drafting": 25.0}
+    assert row["measured_over_plain_per_token"] == pytest.approx(4.0)
+    assert row["prediction_error"] == pytest.approx(fuzzy["speedup_per_token"] / 4.0 - 1, abs=1e-3)

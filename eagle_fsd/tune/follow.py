@@ -11,7 +11,10 @@ or for f < 0 the share of its acceptances that are lost. Per depth L of a shape,
 
 (a tree of n nodes grown by d draft forwards holds an accepted chain of at most min(d + 1, n - 1) drafts). alpha0_L
 is the profile's per-depth acceptance of the biggest tree of the shape's branching and draft vocabulary, moved by
-the one rate that makes E[a + 1 | shape, 0] the profile's own for that shape. A rule's f comes from the per-rule
+the one rate that makes E[a + 1 | shape, 0] the profile's own for that shape. Chains deeper than the tuner replayed
+(k = 1, d + 1 = n - 1 levels for each measured size n) are candidates too, so that a rule accepting nearly every
+draft is not capped at the replayed depth: beyond the deepest replayed depth, acceptance stays at the deepest rate,
+moved by the rate of the deepest replayed chain. A rule's f comes from the per-rule
 replay (eagle_fsd.tune.rule_replay) before it has run, and from the acceptance it measures while it runs
 (fit_rescue: the f whose predicted E[a] on the running shape is the observed one). The tree is the argmax of
 E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary.
@@ -37,13 +40,32 @@ def move(alpha: float, rescue: float) -> float:
 
 def lossless_acceptance(profile: CostProfile, shape: Shape) -> list[float]:
     """alpha0_L for L = 1 .. levels(shape): the profile's per-depth acceptance of the biggest tree of the shape's
-    branching and draft vocabulary, moved by the one rate that makes E[a + 1] the profile's own for this shape
-    (so f = 0 gives the profile back)."""
+    branching and draft vocabulary (beyond its deepest depth: that depth's rate), moved by the one rate that makes
+    E[a + 1] the profile's own for this shape, or for a chain deeper than the replay that of the deepest replayed
+    chain (so f = 0 gives the profile back)."""
     n, d, k, v = shape
     depth = levels(shape)
     alpha = list(profile.acceptance_by_depth.get((k, v), []))[:depth]
     alpha += [alpha[-1] if alpha else 0.5] * (depth - len(alpha))
-    return [move(a, fit_rescue(alpha, profile.tau[shape] - 1.0)) for a in alpha]
+    measured = shape if shape in profile.tau else deepest_replayed(profile, k, v)
+    rate = fit_rescue(alpha[:levels(measured)], profile.tau[measured] - 1.0)
+    return [move(a, rate) for a in alpha]
+
+
+def deepest_replayed(profile: CostProfile, branching: int, draft_vocab: int) -> Shape:
+    """The replayed shape of this branching and draft vocabulary that holds the longest chain (ties: the smaller)."""
+    return max((s for s in profile.tau if s[2] == branching and s[3] == draft_vocab),
+               key=lambda s: (levels(s), -s[0]))
+
+
+def deeper_chains(profile: CostProfile, draft_vocab: int) -> list[Shape]:
+    """Chains (n, n - 2, 1, v) deeper than the replay, one per measured verification size n: each holds n - 1
+    levels, all of them drafted."""
+    if (1, draft_vocab) not in profile.acceptance_by_depth or not any(
+            s[2] == 1 and s[3] == draft_vocab for s in profile.tau):
+        return []
+    replayed = levels(deepest_replayed(profile, 1, draft_vocab))
+    return [(n, n - 2, 1, draft_vocab) for n in sorted(profile.verify_ms) if n - 1 > replayed]
 
 
 def rule_tau(alpha0: list[float], rescue: float) -> float:
@@ -74,16 +96,29 @@ def predicted_speedup(profile: CostProfile, shape: Shape, rescue: float) -> floa
 
 
 def candidate_shapes(profile: CostProfile, draft_vocab: int) -> list[Shape]:
-    """The shapes the profile can cost, of one draft vocabulary (a switch keeps the drafter's vocabulary)."""
-    return [s for s in profile.tau if s[3] == draft_vocab and s[0] in profile.verify_ms
-            and (s[2], s[3]) in profile.level_ms and s[3] in profile.extend_ms]
+    """The shapes the profile can cost, of one draft vocabulary (a switch keeps the drafter's vocabulary): the
+    replayed ones and the deeper chains."""
+    shapes = [s for s in profile.tau if s[3] == draft_vocab] + deeper_chains(profile, draft_vocab)
+    return [s for s in shapes if s[0] in profile.verify_ms and (s[2], s[3]) in profile.level_ms
+            and s[3] in profile.extend_ms]
 
 
-def best_shape(profile: CostProfile, rescue: float, draft_vocab: int) -> tuple[Shape, float]:
-    """The fastest predicted shape for rescue rate f (ties: the smaller tree) and its predicted speedup."""
-    best = max(candidate_shapes(profile, draft_vocab),
-               key=lambda s: (predicted_speedup(profile, s, rescue), -s[0], -s[1], -s[2]))
-    return best, predicted_speedup(profile, best, rescue)
+def acceptance_table(profile: CostProfile, draft_vocab: int) -> dict[Shape, list[float]]:
+    """alpha0 of every candidate shape of one draft vocabulary (a rule computes it once; its checks only move it)."""
+    return {s: lossless_acceptance(profile, s) for s in candidate_shapes(profile, draft_vocab)}
+
+
+def best_shape(profile: CostProfile, rescue: float, draft_vocab: int,
+               table: dict[Shape, list[float]] | None = None) -> tuple[Shape, float]:
+    """The fastest predicted shape for rescue rate f (ties: the smaller tree) and its predicted speedup; `table`:
+    acceptance_table(profile, draft_vocab), computed here when not given."""
+    table = acceptance_table(profile, draft_vocab) if table is None else table
+
+    def speedup(shape: Shape) -> float:
+        return rule_tau(table[shape], rescue) * profile.plain_ms / profile.step_ms(shape)
+
+    best = max(table, key=lambda s: (speedup(s), -s[0], -s[1], -s[2]))
+    return best, speedup(best)
 
 
 class ShapeFollower:
@@ -98,13 +133,12 @@ class ShapeFollower:
         self.every, self.min_steps, self.margin = every, min_steps, margin
         self.accepted: deque[int] = deque(maxlen=window)  # accepted lengths on the running tree
         self.switches, self.since_check = 0, 0
+        self.table = {} if profile is None else acceptance_table(profile, shape.draft_vocab)
 
     @property
     def room(self) -> TreeShape:
         """A shape whose cache room covers every shape the follower may switch to (a call sizes its caches once)."""
-        if self.profile is None:
-            return self.shape
-        shapes = candidate_shapes(self.profile, self.shape.draft_vocab) + [self._key(self.shape)]
+        shapes = list(self.table) + [self._key(self.shape)]
         return TreeShape(max(s[0] for s in shapes), max(s[1] for s in shapes), max(s[2] for s in shapes),
                          self.shape.draft_vocab)
 
@@ -122,12 +156,12 @@ class ShapeFollower:
             return False
         self.since_check = 0
         current = self._key(self.shape)
-        if current not in self.profile.tau:
+        if current not in self.table:
             return False
-        alpha0 = lossless_acceptance(self.profile, current)
-        self.rescue = fit_rescue(alpha0, sum(self.accepted) / len(self.accepted))
-        best, speedup = best_shape(self.profile, self.rescue, self.shape.draft_vocab)
-        if best == current or speedup < predicted_speedup(self.profile, current, self.rescue) * (1 + self.margin):
+        self.rescue = fit_rescue(self.table[current], sum(self.accepted) / len(self.accepted))
+        best, speedup = best_shape(self.profile, self.rescue, self.shape.draft_vocab, self.table)
+        now = rule_tau(self.table[current], self.rescue) * self.profile.plain_ms / self.profile.step_ms(current)
+        if best == current or speedup < now * (1 + self.margin):
             return False
         self.shape = TreeShape(*best)
         self.accepted.clear()
@@ -136,9 +170,12 @@ class ShapeFollower:
 
 
 def rule_prediction(profile: CostProfile, shape: TreeShape, rescue: float) -> dict:
-    """What the cost model predicts for a rule on `shape` at rescue rate f: E[a + 1], t_step and the speedup over
+    """What the cost model predicts for a rule on `shape` at rescue rate f: E[a + 1], t_step (and its terms:
+    t_verify(n), the drafting and the loop's own work d t_level + t_extend + t_overhead), t_plain and the speedup over
     plain decoding per new token (prefill aside)."""
     key = ShapeFollower._key(shape)
     tau = rule_tau(lossless_acceptance(profile, key), rescue)
     step = profile.step_ms(key)
-    return {"tau": tau, "step_ms": step, "speedup_per_token": tau * profile.plain_ms / step}
+    return {"tau": tau, "step_ms": step, "verify_ms": profile.verify_ms[key[0]],
+            "drafting_ms": step - profile.verify_ms[key[0]], "plain_ms": profile.plain_ms,
+            "speedup_per_token": tau * profile.plain_ms / step}
