@@ -18,9 +18,9 @@ sys.stdout.writelines(json.dumps({'prompt': q['turns'][0]}) + '\n' for q in load
 # chat, thresholds low enough for a small fuzzy share, on each rule's own tree
 eagle-fsd calibrate "${COMMON[@]}" --max-new-tokens 256 --prompts "$PROMPTS" --nll-bound 0.05 \
     --fsd kl_qp:0.1,0.3,1 --fsd kl_qp+stop:1 --out-dir "$OUT/mtbench-low"
-# chat, the thresholds of mtbench-lossless-tree/, on each rule's own tree
-eagle-fsd calibrate "${COMMON[@]}" --max-new-tokens 256 --prompts "$PROMPTS" --nll-bound 0.05 \
-    --fsd kl_qp:2,8 --fsd kl_qp+stop:2,8 --fsd kl_qp+stop+r4:8 --out-dir "$OUT/mtbench"
 # math
 eagle-fsd sweep "${COMMON[@]}" --max-new-tokens 512 --bench gsm8k --sample 250 --fsd kl_qp:0.3,1,2 \
     --fsd kl_qp+stop:1,2 --plain-limit 20 --out-dir "$OUT/gsm8k"
+# chat, the thresholds of mtbench-lossless-tree/, on each rule's own tree
+eagle-fsd calibrate "${COMMON[@]}" --max-new-tokens 256 --prompts "$PROMPTS" --nll-bound 0.05 \
+    --fsd kl_qp:2,8 --fsd kl_qp+stop:2,8 --fsd kl_qp+stop+r4:8 --out-dir "$OUT/mtbench"
