@@ -105,6 +105,30 @@ def test_profile_that_holds_is_kept():
     assert same is profile and "hold" in found
 
 
+def test_costs_are_timed_and_checked_on_one_context_of_the_settings_length(monkeypatch):
+    """Attention over the cache grows with the context: the tuner times every cost on a context of
+    settings.timing_context tokens (at most half the model's), and the check at load times on the same one."""
+    import sys
+    from dataclasses import replace
+
+    tuner = sys.modules["eagle_fsd.tune.measure"]  # the module (eagle_fsd.tune.measure is also the function's name)
+
+    model = tiny_pair()
+    settings = replace(SETTINGS, timing_context=48)
+    timed_on = []
+    real = tuner.measure_costs
+
+    def spy(model, context, *args, **kwargs):
+        timed_on.append(context.numel())
+        return real(model, context, *args, **kwargs)
+
+    monkeypatch.setattr(tuner, "measure_costs", spy)
+    profile = tune.measure(model, settings, progress=False)
+    tune.check_costs(model, profile, margin=float("inf"), settings=settings)
+    assert len(timed_on) == 2 and set(timed_on) == {48}
+    assert tuner.timing_context(model, replace(SETTINGS, timing_context=10_000)).numel() == 256  # 512 positions
+
+
 def test_guard_takes_t_plain_from_the_plain_steps_it_runs():
     """A profile that says verification costs 3x what it does (t_verify(1) 300 ms, the machine's 100 ms) and starts
     in plain decoding: the plain steps measure t_plain, and speculation that pays is kept when it is probed."""

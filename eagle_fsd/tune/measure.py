@@ -24,6 +24,9 @@ from eagle_fsd.tune.trust import TimingWatch
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
 TOP_KS = (1, 2, 4, 8)  # candidate branching (EAGLE's top_k)
 MAX_DEPTH = 6
+# tokens cached before a step's rows when costs are timed: mid-answer for chat (prompts near 100 tokens, 256-512 new
+# ones). Attention over the cache grows with it: a verification of 8 rows costs ~10 % more at 250 tokens than at 100.
+TIMING_CONTEXT = 256
 CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 
 
@@ -46,6 +49,7 @@ class TuneSettings:
     prompt_texts: tuple[str, ...] | None = None  # None: the shipped calibration prompts
     retries: int = 2
     busy_wait: float = 10.0
+    timing_context: int = TIMING_CONTEXT
 
 
 def _sync():
@@ -80,6 +84,17 @@ def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]
         return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                               return_tensors="pt", return_dict=True)["input_ids"] for t in texts]
     return [tokenizer(t, return_tensors="pt")["input_ids"] for t in texts]
+
+
+def timing_context(model, settings: TuneSettings) -> torch.Tensor:
+    """The context costs are timed on: the calibration prompts end to end, repeated and cut to
+    settings.timing_context tokens (at most half the model's context). Only its length matters to a timing."""
+    ids = torch.cat([x[0] for x in calibration_prompts(model.tokenizer, settings.prompts, settings.prompt_texts)])
+    length = settings.timing_context
+    limit = getattr(model.base_model.config, "max_position_embeddings", None)
+    if limit:
+        length = min(length, limit // 2)
+    return ids.repeat(-(-length // ids.numel()))[:length].to(model.base_model.device)
 
 
 class DraftSetup:
@@ -234,8 +249,8 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         vocabs = draft_vocabularies(model, settings, level1 < 0.2 * step_ms)
         biggest_pool = max(k + settings.max_depth * k * k for k in top_ks) + 1
         sizes = tuple(sorted({1} | {n for n in settings.sizes if n <= biggest_pool}))
-        (verify_ms, level_ms, extend_ms), watch = costs_when_quiet(model, first.sequences[0], sizes, top_ks, vocabs,
-                                                                   settings, progress)
+        (verify_ms, level_ms, extend_ms), watch = costs_when_quiet(model, timing_context(model, settings), sizes,
+                                                                   top_ks, vocabs, settings, progress)
         # t_plain = t_verify(1), timed with the other sizes, + the loop's own per-token work
         plain_ms = verify_ms[1] + plain_loop_ms(plain)
         rows, ranks, continuations = replay_prompts(model, ids, plain, top_ks, settings, sizes, progress)
@@ -280,7 +295,7 @@ def check_costs(model, profile: CostProfile, margin: float = 1.25, rounds: int =
     watch = new_watch(model)
     with torch.no_grad():
         run = model.naive_generate(prompt[None], max_new_tokens=24, return_dict=True)
-        context = run.sequences[0]
+        context = timing_context(model, settings)  # where the profile's costs were timed
         verify_ms, level_ms, _ = measure_costs(model, context, (1, n), (k,), {v: vocab_ids(model, v)}, rounds, watch)
     busy = watch.busy_reason()
     if busy is not None:

@@ -18,7 +18,7 @@ from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measu
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import CPU_CAP_VARS, describe_age
 
-TUNE_VERSION = 5  # 5: an LM drafter's catch-up timed over the one token it reads (Drafter.keep_levels)
+TUNE_VERSION = 6  # 6: costs timed on a context of TuneSettings.timing_context tokens (was the first calibration run)
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
