@@ -74,11 +74,12 @@ def test_the_rules_tree_deepens_with_its_rescue_rate():
 
 
 def test_chains_deeper_than_the_replay_are_candidates_at_the_deepest_rate():
-    """The replay went to depth 3 (4 levels); verification is measured up to 10 nodes. A rule that accepts every
-    draft is not capped at the replayed depth: the deepest chain wins, and its acceptance beyond depth 4 is depth
-    4's. The lossless rule keeps a replayed tree."""
+    """The replay went to depth 3 (4 levels); verification is measured up to 12 nodes. A rule that accepts every
+    draft is not capped at the replayed depth: the deepest chain allowed wins, and its acceptance beyond depth 4 is
+    depth 4's. The lossless rule keeps a replayed tree."""
     profile = chain_profile()
-    profile.verify_ms.update({n: 30.0 + 4.0 * (n - 1) for n in range(1, 11)})
+    profile.verify_ms.update({n: 30.0 + 4.0 * (n - 1) for n in range(1, 13)})
+    # up to twice the size of the deepest replayed chain (5 nodes): 10, though sizes 11 and 12 are measured
     assert deeper_chains(profile, 0) == [(6, 4, 1, 0), (7, 5, 1, 0), (8, 6, 1, 0), (9, 7, 1, 0), (10, 8, 1, 0)]
     assert lossless_acceptance(profile, (8, 6, 1, 0)) == pytest.approx(list(ALPHA) + [ALPHA[-1]] * 3, abs=1e-6)
     assert best_shape(profile, 1.0, 0)[0] == (10, 8, 1, 0)

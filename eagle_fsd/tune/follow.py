@@ -12,12 +12,12 @@ or for f < 0 the share of its acceptances that are lost. Per depth L of a shape,
 (a tree of n nodes grown by d draft forwards holds an accepted chain of at most min(d + 1, n - 1) drafts). alpha0_L
 is the profile's per-depth acceptance of the biggest tree of the shape's branching and draft vocabulary, moved by
 the one rate that makes E[a + 1 | shape, 0] the profile's own for that shape. Chains deeper than the tuner replayed
-(k = 1, d + 1 = n - 1 levels for each measured size n) are candidates too, so that a rule accepting nearly every
-draft is not capped at the replayed depth: beyond the deepest replayed depth, acceptance stays at the deepest rate,
-moved by the rate of the deepest replayed chain. A rule's f comes from the per-rule
-replay (eagle_fsd.tune.rule_replay) before it has run, and from the acceptance it measures while it runs
-(fit_rescue: the f whose predicted E[a] on the running shape is the observed one). The tree is the argmax of
-E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary.
+(k = 1, d + 1 = n - 1 levels for each measured size n, up to twice the deepest replayed chain's size) are
+candidates too, so that a rule accepting nearly every draft is not capped at the replayed depth: beyond the deepest
+replayed depth, acceptance stays at the deepest rate, moved by the rate of the deepest replayed chain. A rule's f
+comes from the per-rule replay (eagle_fsd.tune.rule_replay) before it has run, and from the acceptance it measures
+while it runs (fit_rescue: the f whose predicted E[a] on the running shape is the observed one). The tree is the
+argmax of E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary.
 """
 from __future__ import annotations
 
@@ -59,13 +59,14 @@ def deepest_replayed(profile: CostProfile, branching: int, draft_vocab: int) -> 
 
 
 def deeper_chains(profile: CostProfile, draft_vocab: int) -> list[Shape]:
-    """Chains (n, n - 2, 1, v) deeper than the replay, one per measured verification size n: each holds n - 1
-    levels, all of them drafted."""
+    """Chains (n, n - 2, 1, v) deeper than the replay, one per measured verification size n up to twice the size
+    of the deepest replayed chain (the extrapolated acceptance is trusted that far; a rule replayed at f = 1 would
+    otherwise take the biggest size measured): each holds n - 1 levels, all of them drafted."""
     if (1, draft_vocab) not in profile.acceptance_by_depth or not any(
             s[2] == 1 and s[3] == draft_vocab for s in profile.tau):
         return []
     replayed = levels(deepest_replayed(profile, 1, draft_vocab))
-    return [(n, n - 2, 1, draft_vocab) for n in sorted(profile.verify_ms) if n - 1 > replayed]
+    return [(n, n - 2, 1, draft_vocab) for n in sorted(profile.verify_ms) if replayed + 1 < n <= 2 * (replayed + 1)]
 
 
 def rule_tau(alpha0: list[float], rescue: float) -> float:
