@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from eagle_fsd.eval import sweep
-from eagle_fsd.eval.mtbench import append_record, read_answers
+from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up_arms
 from eagle_fsd.eval.stats import bootstrap_indices, paired_difference, percentile_interval
 from eagle_fsd.files import cache_dir
 from eagle_fsd.fsd import FsdConfig
@@ -248,6 +248,8 @@ def calibrate_nll(job: CalibrateJob, model) -> dict:
     from tqdm import tqdm
 
     arms = [a for a in sj.arms if not a.plain]
+    if any((i, a.label) not in done for i in range(len(prompts)) for a in arms):
+        warm_up_arms(model, sj.settings.generation, arms, fmt)
     for i, text in enumerate(tqdm(prompts, unit="prompt")):
         ids = fmt.encode([{"role": "user", "content": text}])
         for arm in arms:

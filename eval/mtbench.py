@@ -185,10 +185,19 @@ def pending_questions(job: AnswerJob) -> tuple[list[dict], list[dict]]:
     return [q for q in questions if q["question_id"] not in done_ids], done
 
 
-def warm_up(model, generation: GenerationSettings, fsd: FsdConfig, fmt: PromptFormat) -> None:
-    """One short untimed generation: the first call pays for lazy initialisation, which is not decoding speed."""
+def warm_up(model, generation: GenerationSettings, fsd: FsdConfig, fmt: PromptFormat, shape=None) -> None:
+    """One short untimed generation: the first call pays for lazy initialisation, which is not decoding speed (for
+    an FSD rule: its divergence pass, and its tree's replay)."""
     ids = fmt.encode([{"role": "user", "content": "Hello!"}])
-    generate_reply(model, ids, replace(generation, max_new_tokens=8), fsd, fmt)
+    generate_reply(model, ids, replace(generation, max_new_tokens=8), fsd, fmt, shape=shape)
+
+
+def warm_up_arms(model, generation: GenerationSettings, arms, fmt: PromptFormat) -> None:
+    """warm_up for every speculative arm (eagle_fsd.eval.arms.Arm), so that no arm's first timed answer pays its
+    set-up."""
+    for arm in arms:
+        if not arm.plain:
+            warm_up(model, generation, arm.fsd or FsdConfig(), fmt, arm.shape)
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,7 @@ from eagle_fsd.eval import gpqa, gsm8k, humaneval
 from eagle_fsd.eval.arms import (GUARD_CODES, LOSSLESS, PLAIN, Arm, arms_of, fsd_arm, guard_label, guards_of,
                                  on_tree, parse_arm_spec, parse_guards, parse_thresholds, parse_tree, tree_label)
 from eagle_fsd.eval.frontier_plot import plot_frontier
-from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up
+from eagle_fsd.eval.mtbench import append_record, read_answers, warm_up, warm_up_arms
 from eagle_fsd.eval.sweep_summary import (CSV_FIELDS, PROBLEM_FIELDS, arm_statistics, by_method, per_answer,
                                           print_rows, same_machine, speedup, summarize, write_summary)
 from eagle_fsd.fsd import FsdConfig
@@ -194,6 +194,7 @@ def run_todo(job: SweepJob, todo: list, records: list[dict], model=None) -> None
     fmt = PromptFormat(model.tokenizer, job.settings.model.conv_template)
     if job.warmup:
         warm_up(model, job.settings.generation, job.settings.fsd, fmt)
+        warm_up_arms(model, job.settings.generation, job.arms, fmt)
     bar = tqdm(todo, unit="run", dynamic_ncols=True)  # its ETA: the mean time per run so far × runs left
     try:
         for bench, problem, arm in bar:

@@ -448,3 +448,20 @@ def test_bench_vllm_rows_count_prefill_and_steps_and_compare_with_hf(tmp_path):
     assert row_names(job) == list(rows)
     with pytest.raises(FileNotFoundError, match="--also-vllm .*venv-vllm/bin/python"):
         run_rows(str(tmp_path / "python"), job)
+
+
+def test_every_speculative_arm_is_warmed_before_its_first_timed_answer(tiny_chat_model):
+    """A rule's first call pays its lazy set-up (the divergence pass, its tree): warm_up_arms calls each speculative
+    arm once, untimed, so each rule's tree is made before the timed answers; the plain arm needs none."""
+    from eagle_fsd.eval.arms import LOSSLESS, PLAIN, Arm, fsd_arm
+    from eagle_fsd.eval.mtbench import warm_up_arms
+    from eagle_fsd.plan import rule_key
+    from eagle_fsd.prompts import PromptFormat
+    from eagle_fsd.settings import GenerationSettings
+
+    model = tiny_chat_model
+    fuzzy = fsd_arm("kl_qp", "reducible", 2.5)
+    model._trees.clear()
+    warm_up_arms(model, GenerationSettings(), [Arm(PLAIN, plain=True), Arm(LOSSLESS), fuzzy],
+                 PromptFormat(model.tokenizer))
+    assert set(model._trees) == {None, rule_key(fuzzy.fsd)}
