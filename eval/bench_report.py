@@ -248,4 +248,3 @@ def add_predictions(result: dict, predictions: dict[str, dict]) -> None:
             row["measured_over_plain_per_token"] = round(measured, 3)
             row["prediction_error"] = round(predicted["speedup_per_token"] / measured - 1, 3)
             row["plain_ms_per_token"] = plain["ms_per_token_after_prefill"]
-

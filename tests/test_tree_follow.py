@@ -1,8 +1,8 @@
 """A draft tree per acceptance rule: the rescue-rate model over a cost profile, the per-rule replay's verdicts on
 hand-built distributions, the online re-choice on synthetic acceptance streams, and exactness across a switch."""
 import math
-from collections import defaultdict
 import random
+from collections import defaultdict
 
 import pytest
 import torch

@@ -91,9 +91,10 @@ def fit_rescue(alpha0: list[float], mean_accepted: float, iterations: int = 40) 
     return (low + high) / 2
 
 
-def predicted_speedup(profile: CostProfile, shape: Shape, rescue: float) -> float:
-    """E[a + 1 | shape, f] t_plain / t_step(shape)."""
-    return rule_tau(lossless_acceptance(profile, shape), rescue) * profile.plain_ms / profile.step_ms(shape)
+def predicted_speedup(profile: CostProfile, shape: Shape, rescue: float, alpha0: list[float] | None = None) -> float:
+    """E[a + 1 | shape, f] t_plain / t_step(shape); alpha0: lossless_acceptance(profile, shape) when known."""
+    alpha0 = lossless_acceptance(profile, shape) if alpha0 is None else alpha0
+    return rule_tau(alpha0, rescue) * profile.plain_ms / profile.step_ms(shape)
 
 
 def candidate_shapes(profile: CostProfile, draft_vocab: int) -> list[Shape]:
@@ -114,12 +115,8 @@ def best_shape(profile: CostProfile, rescue: float, draft_vocab: int,
     """The fastest predicted shape for rescue rate f (ties: the smaller tree) and its predicted speedup; `table`:
     acceptance_table(profile, draft_vocab), computed here when not given."""
     table = acceptance_table(profile, draft_vocab) if table is None else table
-
-    def speedup(shape: Shape) -> float:
-        return rule_tau(table[shape], rescue) * profile.plain_ms / profile.step_ms(shape)
-
-    best = max(table, key=lambda s: (speedup(s), -s[0], -s[1], -s[2]))
-    return best, speedup(best)
+    best = max(table, key=lambda s: (predicted_speedup(profile, s, rescue, table[s]), -s[0], -s[1], -s[2]))
+    return best, predicted_speedup(profile, best, rescue, table[best])
 
 
 class ShapeFollower:
@@ -161,7 +158,7 @@ class ShapeFollower:
             return False
         self.rescue = fit_rescue(self.table[current], sum(self.accepted) / len(self.accepted))
         best, speedup = best_shape(self.profile, self.rescue, self.shape.draft_vocab, self.table)
-        now = rule_tau(self.table[current], self.rescue) * self.profile.plain_ms / self.profile.step_ms(current)
+        now = predicted_speedup(self.profile, current, self.rescue, self.table[current])
         if best == current or speedup < now * (1 + self.margin):
             return False
         self.shape = TreeShape(*best)
