@@ -201,6 +201,13 @@ def fixed_tree_method(model, spec: str, max_new_tokens: int):
     return lambda ids: model.generate(ids, max_new_tokens=max_new_tokens, return_dict=True, shape=shape)
 
 
+def warm_up_rules(model, rules: list[FsdConfig], ids: torch.Tensor) -> None:
+    """One short untimed call per rule (and lossless): a rule's first call pays its set-up (its divergence pass, its
+    tree's replay), which is not decoding speed."""
+    for rule in [None, *rules]:
+        model.generate(ids[:, :16], max_new_tokens=8, fsd=rule)
+
+
 def run(job: BenchJob) -> dict:
     """Load the model, time every method on every question, and summarize (what print_table prints)."""
     torch.manual_seed(0)
@@ -210,15 +217,14 @@ def run(job: BenchJob) -> dict:
     hf_target = as_hf_runs_it(model.base_model, model.plan.target)
     methods = methods_for(model, job, hf_target, ids_list)
     predictions = rule_predictions(model, job)
-    for fsd in [None, *job.fsd_rows[:1]]:  # warm-up, FSD's divergence pass included (its first call is slow)
-        model.generate(ids_list[0][:, :16], max_new_tokens=8, fsd=fsd)
+    warm_up_rules(model, job.fsd_rows, ids_list[0])
     hf_method(hf_target, 8)(ids_list[0][:, :16])
     vllm = run_rows(job.also_vllm, vllm_job(model, job, ids_list)) if job.also_vllm else None
     totals, per_question, reference = time_methods(methods, ids_list)
     if vllm is not None:
         add_vllm_rows(vllm["rows"], ids_list, reference, totals, per_question)
     result = summarize(model, job.settings, ids_list, totals, per_question)
-    add_predictions(result, predictions)
+    add_predictions(result, predictions, None if model.tuning is None else model.tuning.profile)
     if vllm is not None:
         result["vllm_version"], result["vllm_dtype"] = vllm["version"], vllm["dtype"]
     result["peak_rss_gb_engine_loaded"] = loaded_rss

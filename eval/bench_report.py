@@ -11,6 +11,7 @@ from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.presets import drafter_label
 from eagle_fsd.settings import Settings
 from eagle_fsd.tune import device_name
+from eagle_fsd.tune.follow import trees_run_speedup
 
 PHASES = ("draft_prefill", "draft", "verify", "accept", "cache", "other")
 
@@ -215,7 +216,9 @@ def print_table(result: dict) -> None:
                   f"{p['tau']:.2f} / {r['tokens_per_step']:.2f}, step {p['step_ms']:.1f} / "
                   f"{step['verify'] + step['drafting']:.1f} ms (verify {p['verify_ms']:.1f} / {step['verify']:.1f}, "
                   f"drafting and loop {p['drafting_ms']:.1f} / {step['drafting']:.1f}), t_plain {p['plain_ms']:.1f} / "
-                  f"{r['plain_ms_per_token']:.1f} ms (predicted / measured)")
+                  f"{r['plain_ms_per_token']:.1f} ms (predicted / measured)"
+                  + (f"; on the trees it ran predicted {r['prediction_on_trees_run']:.2f}x "
+                     f"({100 * r['prediction_error_on_trees_run']:+.0f} %)" if "prediction_on_trees_run" in r else ""))
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
@@ -229,10 +232,18 @@ def print_table(result: dict) -> None:
         print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
 
 
-def add_predictions(result: dict, predictions: dict[str, dict]) -> None:
+def shape_of(label: str) -> tuple[int, int, int, int]:
+    """"5/3/1/37888" -> (5, 3, 1, 37888); "5/3/1" (the drafter's whole vocabulary) -> (5, 3, 1, 0)."""
+    values = tuple(int(x) for x in label.split("/"))
+    return values if len(values) == 4 else (*values, 0)
+
+
+def add_predictions(result: dict, predictions: dict[str, dict], profile=None) -> None:
     """Each rule's row gets the cost model's prediction over plain decoding beside what it measured over the plain
     row: tokens/s over the whole answers, and like for like with the prediction, per new token after the prefills
-    (prediction_error: predicted / measured - 1), with the measured terms (t_plain)."""
+    (prediction_error: predicted / measured - 1), with the measured terms (t_plain). With the profile, also the
+    prediction for the trees the row ran, each for its steps, at the same replayed rescue rate (a follower that left
+    its first tree ran others)."""
     by_name = {r["method"]: r for r in result["rows"]}
     plain = by_name.get("plain")
     for name, predicted in predictions.items():
@@ -248,3 +259,8 @@ def add_predictions(result: dict, predictions: dict[str, dict]) -> None:
             row["measured_over_plain_per_token"] = round(measured, 3)
             row["prediction_error"] = round(predicted["speedup_per_token"] / measured - 1, 3)
             row["plain_ms_per_token"] = plain["ms_per_token_after_prefill"]
+            steps = {shape_of(label): count for label, count in row.get("trees", {}).items()}
+            on_trees = None if profile is None else trees_run_speedup(profile, steps, predicted["rescue"])
+            if on_trees is not None:
+                row["prediction_on_trees_run"] = round(on_trees, 3)
+                row["prediction_error_on_trees_run"] = round(on_trees / measured - 1, 3)

@@ -465,3 +465,17 @@ def test_every_speculative_arm_is_warmed_before_its_first_timed_answer(tiny_chat
     warm_up_arms(model, GenerationSettings(), [Arm(PLAIN, plain=True), Arm(LOSSLESS), fuzzy],
                  PromptFormat(model.tokenizer))
     assert set(model._trees) == {None, rule_key(fuzzy.fsd)}
+
+
+def test_bench_warms_every_rule_before_the_timed_runs(tiny_chat_model):
+    """bench times each question by every method in turn: every rule (not only the first) is called once, untimed,
+    so that no rule's first timed answer pays its set-up."""
+    from eagle_fsd.eval.bench import warm_up_rules
+    from eagle_fsd.fsd import FsdConfig
+    from eagle_fsd.plan import rule_key
+
+    model = tiny_chat_model
+    rules = [FsdConfig(threshold=2.5), FsdConfig(threshold=8.0)]
+    model._trees.clear()
+    warm_up_rules(model, rules, torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(0)))
+    assert set(model._trees) == {None, *map(rule_key, rules)}

@@ -192,15 +192,19 @@ def test_bench_prints_each_rules_first_tree_and_its_prediction():
     totals = {"plain": {"tokens": 42, "seconds": 4.2, "steps": 40, "fuzzy": 0, "accepted": 0, "tree_switches": 0,
                         "phase_verify": 1.8, "phase_other": 0.2},
               "fsd kl_qp T=inf": {"tokens": 42, "seconds": 2.1, "steps": 8, "fuzzy": 8, "accepted": 32,
-                                  "tree_switches": 0, "phase_draft_prefill": 0.4, "phase_verify": 0.3,
-                                  "phase_draft": 0.15, "phase_accept": 0.05}}
+                                  "tree_switches": 1, "phase_draft_prefill": 0.4, "phase_verify": 0.3,
+                                  "phase_draft": 0.15, "phase_accept": 0.05, "tree 5/3/1": 6, "tree 3/1/1": 2}}
     totals = {k: defaultdict(float, v) for k, v in {"hf-generate": {"tokens": 42, "seconds": 8.4}, **totals}.items()}
     rows = bench.summarize_rows(totals, {k: [1.0, 1.0] for k in totals}, 2)
     result = {"rows": rows}
-    bench.add_predictions(result, predictions)
+    bench.add_predictions(result, predictions, profile)
     row = result["rows"][2]
     assert row["measured_over_plain"] == 2.0 and row["prediction"] == fuzzy
     assert row["ms_per_token_after_prefill"] == pytest.approx(12.5) and row["tokens_per_step"] == pytest.approx(5.0)
     assert row["step_ms"] == {"verify": 37.5, "drafting": 25.0}
     assert row["measured_over_plain_per_token"] == pytest.approx(4.0)
     assert row["prediction_error"] == pytest.approx(fuzzy["speedup_per_token"] / 4.0 - 1, abs=1e-3)
+    # on the trees it ran, at the replayed f = 1: 6 steps of (5, 3, 1) (E[a + 1] 5, t_step 74 + 3 * 3 + 2 + 1 = 86 ms)
+    # and 2 of (3, 1, 1) (E[a + 1] 3, t_step 52 + 3 + 2 + 1 = 58 ms): 36 tokens in 632 ms, t_plain 36 ms
+    assert row["prediction_on_trees_run"] == pytest.approx(36 * 36.0 / 632, abs=1e-3)
+    assert row["prediction_error_on_trees_run"] == pytest.approx(36 * 36.0 / 632 / 4.0 - 1, abs=1e-3)

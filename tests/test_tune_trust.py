@@ -156,3 +156,31 @@ def test_check_judges_costs_relative_to_plain_decoding():
     assert disagreements(cached, corrupted, 1.25)[1] == ["t_verify(1)", "t_verify(6)"]
     plain_off = {**cached, "t_plain": 80.0}  # t_plain alone off: every other term disagrees with it
     assert disagreements(cached, plain_off, 1.25)[1] == ["t_verify(1)", "t_verify(6)", "t_level(4, full)"]
+
+
+def test_every_calibration_prompt_serves_the_rules_replay(monkeypatch):
+    """An expensive drafter's tree replay reads fewer prompts (replay_seconds); the rules' replay reads the target's
+    greedy continuation of every calibration prompt, kept on the profile."""
+    import sys
+    from dataclasses import replace
+
+    from tiny import hf_greedy
+
+    tuner = sys.modules["eagle_fsd.tune.measure"]
+    replayed = []
+    real = tuner.replay_prompts
+
+    def spy(model, ids, *args, **kwargs):
+        replayed.append(len(ids))
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(tuner, "replay_prompts", spy)
+    model = tiny_pair()
+    settings = replace(SETTINGS, prompts=3, replay_seconds=0.0)  # affords the fewest prompts the replay reads: 2
+    profile = tune.measure(model, settings, progress=False)
+    prompts = tune.calibration_prompts(model.tokenizer, 3)
+    assert replayed == [2] and len(profile.calibration) == 3
+    for (sequence, prompt_length), prompt in zip(profile.calibration, prompts):
+        assert prompt_length == prompt.shape[1] and sequence[:prompt_length] == prompt[0].tolist()
+        new = len(sequence) - prompt_length
+        assert new > 0 and sequence == hf_greedy(model.base_model, prompt, new)[0].tolist()

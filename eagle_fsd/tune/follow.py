@@ -167,6 +167,16 @@ class ShapeFollower:
         return True
 
 
+def trees_run_speedup(profile: CostProfile, steps: dict[Shape, int], rescue: float) -> float | None:
+    """The speedup over plain decoding per new token predicted for the trees a rule ran, each for the steps it ran
+    there, at rescue rate f: sum_s steps_s E[a + 1 | s, f] t_plain / sum_s steps_s t_step(s). This judges the cost
+    model on the trees that ran, apart from the follower's choice of them. None: a tree the profile cannot cost."""
+    if not steps or any(s not in candidate_shapes(profile, s[3]) for s in steps):
+        return None
+    tokens = sum(count * rule_tau(lossless_acceptance(profile, s), rescue) for s, count in steps.items())
+    return tokens * profile.plain_ms / sum(count * profile.step_ms(s) for s, count in steps.items())
+
+
 def rule_prediction(profile: CostProfile, shape: TreeShape, rescue: float) -> dict:
     """What the cost model predicts for a rule on `shape` at rescue rate f: E[a + 1], t_step (and its terms:
     t_verify(n), the drafting and the loop's own work d t_level + t_extend + t_overhead), t_plain and the speedup over

@@ -32,8 +32,8 @@ CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 
 @dataclass
 class TuneSettings:
-    """How much the tuner measures. Up to prompts x new_tokens calibration positions (fewer for an expensive
-    drafter, to keep the replay near replay_seconds); top_ks / max_depth / sizes bound the shapes tried (top_ks
+    """How much the tuner measures. Up to prompts x new_tokens calibration positions (the tree replay reads fewer
+    prompts for an expensive drafter, to keep it near replay_seconds; the rules' replay reads them all); top_ks / max_depth / sizes bound the shapes tried (top_ks
     None: chosen from the drafter's cost); vocabs None: the full vocabulary plus the reduced sizes of
     vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats; on a busy
     machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait seconds, up to retries times."""
@@ -242,10 +242,11 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         first = model.naive_generate(ids[0][None], max_new_tokens=settings.new_tokens, return_dict=True)
         level1, step_ms = draft_level_cost(model, first)
         top_ks, prompts = search_space(settings, level1, step_ms, len(ids))
-        ids = ids[:prompts]
-        # the target's own greedy continuations (plain decoding through the loop: also the measured t_plain)
+        # the target's own greedy continuations (plain decoding through the loop: also the measured t_plain); those
+        # of the prompts the tree replay cannot afford still serve the rules' replay (rule_replay), which is cheap
         plain = [first] + [model.naive_generate(x[None], max_new_tokens=settings.new_tokens, return_dict=True)
                            for x in ids[1:]]
+        calibration = [[out.sequences[0].tolist(), x.numel()] for x, out in zip(ids, plain)]
         vocabs = draft_vocabularies(model, settings, level1 < 0.2 * step_ms)
         biggest_pool = max(k + settings.max_depth * k * k for k in top_ks) + 1
         sizes = tuple(sorted({1} | {n for n in settings.sizes if n <= biggest_pool}))
@@ -253,7 +254,8 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
                                                                    top_ks, vocabs, settings, progress)
         # t_plain = t_verify(1), timed with the other sizes, + the loop's own per-token work
         plain_ms = verify_ms[1] + plain_loop_ms(plain)
-        rows, ranks, continuations = replay_prompts(model, ids, plain, top_ks, settings, sizes, progress)
+        rows, ranks, continuations = replay_prompts(model, ids[:prompts], plain[:prompts], top_ks, settings, sizes,
+                                                    progress)
     tau, by_depth = tau_by_shape(rows, continuations, vocabs, top_ks, settings.max_depth)
     profile = CostProfile(verify_ms, level_ms, extend_ms, 0.0, plain_ms, tau, by_depth,
                           rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)])
@@ -262,7 +264,7 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds,
                                                                        watch)
     profile.conditions = watch.conditions()
-    profile.calibration = [[x.tolist() + g, x.numel()] for x, g in zip(ids, continuations)]
+    profile.calibration = calibration
     return profile
 
 

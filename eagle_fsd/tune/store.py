@@ -18,7 +18,8 @@ from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measu
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import CPU_CAP_VARS, describe_age
 
-TUNE_VERSION = 6  # 6: costs timed on a context of TuneSettings.timing_context tokens (was the first calibration run)
+TUNE_VERSION = 7  # 7: every calibration prompt's continuation kept for the rules' replay (was the replayed ones);
+#                   6: costs timed on a context of TuneSettings.timing_context tokens
 
 
 def cache_key(model, base_model, drafter_name, settings: TuneSettings | None = None) -> dict:
