@@ -110,3 +110,25 @@ def test_answer_time_interval_and_repetition_measure():
     assert stats.repeated_ngram_share("the cat sat on the mat".split(), n=2) == 0.0
     assert stats.repeated_ngram_share("go go go go".split(), n=2) == pytest.approx(2 / 3)
     assert stats.repeated_ngram_share(["short"], n=4) == 0.0
+
+
+def test_frontier_points_one_curve_per_rule_and_guards_on_time_per_answer(tmp_path):
+    """The picture's curves: one per rule with its guards (and pinned tree), thresholds in order, x the time per
+    answer (not tokens/s: replies that grow count), y the accuracy."""
+    from eagle_fsd.eval.frontier_plot import frontier_points, plot_frontier
+
+    def row(method, threshold, answer, speed, accuracy, tree=None):
+        return {"method": method, "threshold": threshold, "tree": tree, "answer_time_vs_lossless": answer,
+                "answer_time_low": answer - 0.02, "answer_time_high": answer + 0.02, "speedup_vs_lossless": speed,
+                "speedup_low": speed - 0.01, "speedup_high": speed + 0.01, "accuracy": accuracy,
+                "diff_low": -0.05, "diff_high": 0.05, "problems": 20}
+
+    rows = [row("lossless", None, 1.0, 1.0, 0.5), row("plain", None, 0.7, 0.7, 0.5),
+            row("kl_qp T=2", 2.0, 0.95, 1.10, 0.45), row("kl_qp T=0.5", 0.5, 1.01, 1.02, 0.5),
+            row("kl_qp+stop T=2", 2.0, 1.08, 1.09, 0.48), row("kl_qp T=2 @16/5/2", 2.0, 1.2, 1.3, 0.4, "16/5/2")]
+    curves = frontier_points(rows)
+    assert list(curves) == ["kl_qp", "kl_qp+stop", "kl_qp, tree 16/5/2"]
+    assert [p["T"] for p in curves["kl_qp"]] == [0.5, 2.0]
+    assert [p["x"] for p in curves["kl_qp"]] == [1.01, 0.95] and curves["kl_qp"][1]["x_low"] == pytest.approx(0.93)
+    assert [p["y"] for p in curves["kl_qp+stop"]] == [0.48]
+    assert plot_frontier(tmp_path / "f.png", rows, "t").stat().st_size > 0
