@@ -11,7 +11,8 @@ from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.presets import drafter_label
 from eagle_fsd.settings import Settings
 from eagle_fsd.tune import device_name
-from eagle_fsd.tune.follow import trees_run_speedup
+from eagle_fsd.eval.arms import parse_tree
+from eagle_fsd.tune.follow import ShapeFollower, trees_run_speedup
 
 PHASES = ("draft_prefill", "draft", "verify", "accept", "cache", "other")
 
@@ -232,12 +233,6 @@ def print_table(result: dict) -> None:
         print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
 
 
-def shape_of(label: str) -> tuple[int, int, int, int]:
-    """"5/3/1/37888" -> (5, 3, 1, 37888); "5/3/1" (the drafter's whole vocabulary) -> (5, 3, 1, 0)."""
-    values = tuple(int(x) for x in label.split("/"))
-    return values if len(values) == 4 else (*values, 0)
-
-
 def add_predictions(result: dict, predictions: dict[str, dict], profile=None) -> None:
     """Each rule's row gets the cost model's prediction over plain decoding beside what it measured over the plain
     row: tokens/s over the whole answers, and like for like with the prediction, per new token after the prefills
@@ -259,7 +254,7 @@ def add_predictions(result: dict, predictions: dict[str, dict], profile=None) ->
             row["measured_over_plain_per_token"] = round(measured, 3)
             row["prediction_error"] = round(predicted["speedup_per_token"] / measured - 1, 3)
             row["plain_ms_per_token"] = plain["ms_per_token_after_prefill"]
-            steps = {shape_of(label): count for label, count in row.get("trees", {}).items()}
+            steps = {ShapeFollower._key(parse_tree(label)): count for label, count in row.get("trees", {}).items()}
             on_trees = None if profile is None else trees_run_speedup(profile, steps, predicted["rescue"])
             if on_trees is not None:
                 row["prediction_on_trees_run"] = round(on_trees, 3)
