@@ -34,8 +34,8 @@ CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 class TuneSettings:
     """How much the tuner measures. Up to prompts x new_tokens calibration positions (the tree replay reads fewer
     prompts for an expensive drafter, to keep it near replay_seconds; the rules' replay reads them all); top_ks /
-    max_depth / sizes bound the shapes tried (top_ks None: chosen from the drafter's cost); vocabs None: the full vocabulary plus the reduced sizes of
-    vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats; on a busy
+    max_depth / sizes bound the shapes tried (top_ks None: chosen from the drafter's cost); vocabs None: the full
+    vocabulary plus the reduced sizes of vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats; on a busy
     machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait seconds, up to retries times."""
 
     prompts: int = 6
