@@ -200,9 +200,11 @@ class EaFsdModel(torch.nn.Module):
         trees = self.trees_for(rule) if shape is None else ShapeFollower(None, shape)
         request = self._request(input_ids, (temperature, top_p, top_k), max_new_tokens, eos_token_id, streamer,
                                 (trees.room, rule))
+        switched = trees.at_context(input_ids.shape[1] + max_new_tokens / 2)  # the tree for this call's context
         guard = self._speed_guard(rule) if shape is None else SpeedGuard(None)
         with self._drafting_for(trees.shape):
             out = self._generate(input_ids, self.drafter, request, StepPolicy(trees, guard, True, profile))
+        out.tree_switches += switched
         return out if return_dict else out.sequences
 
     def trees_for(self, rule: FsdConfig | None = None) -> ShapeFollower:

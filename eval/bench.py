@@ -165,18 +165,33 @@ def methods_for(model, job: BenchJob, target, ids_list) -> dict:
     return methods
 
 
-def rule_predictions(model, job: BenchJob) -> dict[str, dict]:
+def rule_predictions(model, job: BenchJob, context_tokens: float | None = None) -> dict[str, dict]:
     """Each rule's tree before the timed runs (an FSD rule's is chosen from its replayed rescue rate) and what the
-    cost model predicts for it there (eagle_fsd.tune.follow)."""
+    cost model predicts for it there (eagle_fsd.tune.follow), with the costs at `context_tokens` cached tokens
+    (CostProfile.at_context; None: where they were timed)."""
     if model.tuning is None or model.tuning.profile is None:
         return {}
+    profile = prediction_profile(model, context_tokens)
     out = {}
     for name, rule in [("eagle-fsd", None), *((fsd_row_name(f), f) for f in job.fsd_rows)]:
         trees = model.trees_for(rule)
-        predicted = rule_prediction(model.tuning.profile, trees.shape, trees.rescue)
+        predicted = rule_prediction(profile, trees.shape, trees.rescue)
         out[name] = {"first_tree": tree_label(trees.shape), "rescue": round(trees.rescue, 3),
                      **{k: round(v, 3) for k, v in predicted.items()}}
     return out
+
+
+def prediction_profile(model, context_tokens: float | None):
+    """The tuned profile with its costs at the run's mean context (None: untuned)."""
+    profile = None if model.tuning is None else model.tuning.profile
+    if profile is None or context_tokens is None:
+        return profile
+    return profile.at_context(context_tokens)
+
+
+def mean_context(ids_list: list[torch.Tensor], max_new_tokens: int) -> float:
+    """The tokens cached at an average step of the run: mean prompt length + half the new tokens."""
+    return sum(ids.shape[-1] for ids in ids_list) / len(ids_list) + max_new_tokens / 2
 
 
 def full_drafter_method(model, max_new_tokens: int):
@@ -216,7 +231,8 @@ def run(job: BenchJob) -> dict:
     ids_list = prompts(model.tokenizer, job.questions, job.question_file)
     hf_target = as_hf_runs_it(model.base_model, model.plan.target)
     methods = methods_for(model, job, hf_target, ids_list)
-    predictions = rule_predictions(model, job)
+    context = mean_context(ids_list, job.settings.generation.max_new_tokens)
+    predictions = rule_predictions(model, job, context)
     warm_up_rules(model, job.fsd_rows, ids_list[0])
     hf_method(hf_target, 8)(ids_list[0][:, :16])
     vllm = run_rows(job.also_vllm, vllm_job(model, job, ids_list)) if job.also_vllm else None
@@ -224,7 +240,8 @@ def run(job: BenchJob) -> dict:
     if vllm is not None:
         add_vllm_rows(vllm["rows"], ids_list, reference, totals, per_question)
     result = summarize(model, job.settings, ids_list, totals, per_question)
-    add_predictions(result, predictions, None if model.tuning is None else model.tuning.profile)
+    add_predictions(result, predictions, prediction_profile(model, context))
+    result["prediction_context_tokens"] = round(context, 1)
     if vllm is not None:
         result["vllm_version"], result["vllm_dtype"] = vllm["version"], vllm["dtype"]
     result["peak_rss_gb_engine_loaded"] = loaded_rss

@@ -208,6 +208,9 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         if r.get("trees"):
             print(f"{r['method']} trees (steps): {r['trees']}, {r['tree_switches']} switches")
+    if "prediction_context_tokens" in result:
+        print(f"cost model: costs at {result['prediction_context_tokens']:.0f} cached tokens (mean prompt + half the "
+              "new tokens)")
     for r in result["rows"]:
         if "prediction" in r and "measured_over_plain_per_token" in r:
             p, step = r["prediction"], r["step_ms"]

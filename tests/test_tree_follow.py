@@ -117,6 +117,38 @@ def test_follower_keeps_its_tree_on_noise_and_switches_when_the_stream_changes()
     assert follower.shape.depth > 1 and 0.8 < follower.rescue <= 1.0
 
 
+def context_profile() -> tune.CostProfile:
+    """chain_profile timed at 256 cached tokens, each extra verified node 0.05 ms and a draft level 0.0125 ms cheaper
+    per token fewer: at 56 tokens a node costs 1 ms more, a level 0.5 ms, and deeper chains pay."""
+    profile = chain_profile()
+    profile.context_tokens = 256
+    profile.verify_slope = {n: 0.05 * (n - 1) for n in profile.verify_ms}
+    profile.level_slope, profile.extend_slope = {(1, 0): 0.0125}, {0: 0.0}
+    return profile
+
+
+def test_follower_chooses_the_tree_for_the_calls_context():
+    profile = context_profile()
+    short, _ = best_shape(profile.at_context(56), 0.0, 0)
+    at_timing = predicted_speedup(profile.at_context(56), (3, 1, 1, 0), 0.0)
+    assert short != (3, 1, 1, 0) and predicted_speedup(profile.at_context(56), short, 0.0) > 1.05 * at_timing
+    follower = ShapeFollower(profile, TreeShape(3, 1, 1))  # the best tree at the timing context
+    assert not follower.at_context(250)  # a context near the timing one: within the margin, kept
+    assert follower.at_context(56) and follower.shape == TreeShape(*short[:3]) and follower.switches == 1
+    assert follower.at_context(256) and follower.shape == TreeShape(3, 1, 1)  # back where the costs were timed
+    assert not ShapeFollower(None, TreeShape(3, 1, 1)).at_context(56)  # a fixed tree stays
+
+
+def test_lossless_output_is_unchanged_by_a_switch_for_the_context():
+    """A short prompt and a short reply run at a context where deeper chains pay: the call starts on another tree
+    (counted as a switch) and its output is still the target's greedy output."""
+    model = tuned_tiny(context_profile(), shape=(3, 1, 1, 0))
+    ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    assert out.tree_switches >= 1 and "3/1/1" not in out.tree_steps
+    assert torch.equal(out.sequences, hf_greedy(model.base_model, ids, 30))
+
+
 def test_rule_verdicts_on_hand_built_distributions():
     """Four positions of a 6-token vocabulary (token 5 is the stop token): 0 the drafter agrees; 1 it disagrees
     but is close; 2 it disagrees far off; 3 it disagrees where the target's own choice is the stop token."""
@@ -208,3 +240,19 @@ def test_bench_prints_each_rules_first_tree_and_its_prediction():
     # and 2 of (3, 1, 1) (E[a + 1] 3, t_step 52 + 3 + 2 + 1 = 58 ms): 36 tokens in 632 ms, t_plain 36 ms
     assert row["prediction_on_trees_run"] == pytest.approx(36 * 36.0 / 632, abs=1e-3)
     assert row["prediction_error_on_trees_run"] == pytest.approx(36 * 36.0 / 632 / 4.0 - 1, abs=1e-3)
+
+
+def test_bench_predicts_at_the_runs_mean_context():
+    """The bench's prompts and new tokens set the context its steps run at (mean prompt + half the new tokens); its
+    predictions take the costs there."""
+    from eagle_fsd.eval import bench
+
+    profile = context_profile()
+    model = tuned_tiny(profile, shape=(3, 1, 1, 0))
+    assert bench.mean_context([torch.zeros(1, 7), torch.zeros(1, 9)], 40) == 28.0
+    job = bench.BenchJob(settings=None, fsd_rows=[])
+    at_timing = bench.rule_predictions(model, job)["eagle-fsd"]
+    at_56 = bench.rule_predictions(model, job, 56)["eagle-fsd"]
+    assert at_timing["verify_ms"] == pytest.approx(profile.verify_ms[3])
+    assert at_56["verify_ms"] == pytest.approx(profile.verify_ms[3] - 200 * 0.1)
+    assert at_56["step_ms"] == pytest.approx(at_timing["step_ms"] - 20 - 2.5)

@@ -60,6 +60,28 @@ def test_profile_json_round_trip_and_plain_verdict():
     assert not tuning.speculate and tuning.predicted_speedup == pytest.approx(1.2 * 30 / 90)
 
 
+def test_costs_move_linearly_with_the_context():
+    """Costs timed at two contexts, 64 and 256 cached tokens: at L every cost is t(256) + s (L - 256), t_plain moves
+    with t_verify(1), and the profile keeps its slopes through JSON."""
+    profile = synthetic_profile(2)
+    assert profile.at_context(100) is profile  # timed at one context: nothing to move
+    short = {n: ms - 0.01 * n * 192 for n, ms in profile.verify_ms.items()}  # as timed at 64 tokens
+    profile.verify_ms[1], short[1] = 31.0, 29.08
+    profile.context_tokens = 256
+    profile.verify_slope = {n: (profile.verify_ms[n] - short[n]) / 192 for n in profile.verify_ms}
+    profile.level_slope = {key: 0.004 for key in profile.level_ms}
+    profile.extend_slope = {0: 0.002, 4096: 0.0}
+    at = profile.at_context(64)
+    assert at.verify_ms == pytest.approx(short) and at.context_tokens == 64
+    assert at.plain_ms == pytest.approx(profile.plain_ms - 1.92)
+    assert at.level_ms[(2, 0)] == pytest.approx(profile.level_ms[(2, 0)] - 0.768)
+    assert at.extend_ms == pytest.approx({0: 6.0 - 0.384, 4096: 2.5})
+    longer = profile.at_context(512)  # beyond the timings: the same line
+    assert longer.verify_ms[32] == pytest.approx(profile.verify_ms[32] + 0.32 * 256)
+    assert at.tau is profile.tau and at.overhead_ms == profile.overhead_ms
+    assert tune.CostProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+
+
 def test_workload_speedup_adds_the_prefills():
     """(P t_prefill + N t_plain) / (P (t_prefill + t_draft_prefill) + N t_step / tau), written out; with no prompt
     it is the per-token prediction, and the drafter's prefill only ever lowers it."""

@@ -105,27 +105,35 @@ def test_profile_that_holds_is_kept():
     assert same is profile and "hold" in found
 
 
-def test_costs_are_timed_and_checked_on_one_context_of_the_settings_length(monkeypatch):
-    """Attention over the cache grows with the context: the tuner times every cost on a context of
-    settings.timing_context tokens (at most half the model's), and the check at load times on the same one."""
+def test_costs_are_timed_at_two_contexts_and_checked_on_the_long_one(monkeypatch):
+    """Attention over the cache grows with the context: the tuner times every cost on contexts of
+    settings.timing_context and settings.short_context tokens (at most half the model's) and keeps the slope
+    between them per cost; the check at load times on the long one."""
     import sys
     from dataclasses import replace
 
     tuner = sys.modules["eagle_fsd.tune.measure"]  # the module (eagle_fsd.tune.measure is also the function's name)
 
     model = tiny_pair()
-    settings = replace(SETTINGS, timing_context=48)
-    timed_on = []
+    settings = replace(SETTINGS, timing_context=48, short_context=16, retries=0)  # one timing per context
+    timed = []
     real = tuner.measure_costs
 
     def spy(model, context, *args, **kwargs):
-        timed_on.append(context.numel())
-        return real(model, context, *args, **kwargs)
+        costs = real(model, context, *args, **kwargs)
+        timed.append((context.numel(), costs))
+        return costs
 
     monkeypatch.setattr(tuner, "measure_costs", spy)
     profile = tune.measure(model, settings, progress=False)
+    (long_at, long_costs), (short_at, short_costs) = timed
+    assert (long_at, short_at, profile.context_tokens) == (48, 16, 48)
+    assert profile.verify_ms == long_costs[0]
+    for slopes, long, short in zip((profile.verify_slope, profile.level_slope, profile.extend_slope), long_costs,
+                                   short_costs):
+        assert slopes == pytest.approx({key: (long[key] - short[key]) / 32 for key in long})
     tune.check_costs(model, profile, margin=float("inf"), settings=settings)
-    assert len(timed_on) == 2 and set(timed_on) == {48}
+    assert [at for at, _ in timed[2:]] == [48]
     assert tuner.timing_context(model, replace(SETTINGS, timing_context=10_000)).numel() == 256  # 512 positions
 
 

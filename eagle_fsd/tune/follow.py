@@ -17,7 +17,8 @@ candidates too, so that a rule accepting nearly every draft is not capped at the
 replayed depth, acceptance stays at the deepest rate, moved by the rate of the deepest replayed chain. A rule's f
 comes from the per-rule replay (eagle_fsd.tune.rule_replay) before it has run, and from the acceptance it measures
 while it runs (fit_rescue: the f whose predicted E[a] on the running shape is the observed one). The tree is the
-argmax of E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary.
+argmax of E[a + 1 | shape, f] t_plain / t_step(shape), over shapes of one draft vocabulary, with the costs at the
+call's mean context (CostProfile.at_context).
 """
 from __future__ import annotations
 
@@ -120,10 +121,11 @@ def best_shape(profile: CostProfile, rescue: float, draft_vocab: int,
 
 
 class ShapeFollower:
-    """One rule's tree, re-chosen from the acceptance the rule measures on it. Every `every` speculative steps the
-    rescue rate is fitted to the mean accepted length of the last `window` steps on the running tree (at least
-    `min_steps` of them) and the fastest predicted shape replaces the running one only when it is predicted at least
-    `margin` faster: noise around a choice does not flip it. profile None: the shape is fixed."""
+    """One rule's tree, re-chosen from the acceptance the rule measures on it and the context a call runs at. Every
+    `every` speculative steps the rescue rate is fitted to the mean accepted length of the last `window` steps on the
+    running tree (at least `min_steps` of them); at a call's start the costs move to its mean context
+    (`at_context`). Either way the fastest predicted shape replaces the running one only when it is predicted at
+    least `margin` faster: noise around a choice does not flip it. profile None: the shape is fixed."""
 
     def __init__(self, profile: CostProfile | None, shape: TreeShape, rescue: float = 0.0, every: int = 16,
                  window: int = 64, min_steps: int = 32, margin: float = 0.05):
@@ -132,6 +134,7 @@ class ShapeFollower:
         self.accepted: deque[int] = deque(maxlen=window)  # accepted lengths on the running tree
         self.switches, self.since_check = 0, 0
         self.table = {} if profile is None else acceptance_table(profile, shape.draft_vocab)
+        self.costs = profile  # the profile with its costs at the running call's context
 
     @property
     def room(self) -> TreeShape:
@@ -157,8 +160,22 @@ class ShapeFollower:
         if current not in self.table:
             return False
         self.rescue = fit_rescue(self.table[current], sum(self.accepted) / len(self.accepted))
-        best, speedup = best_shape(self.profile, self.rescue, self.shape.draft_vocab, self.table)
-        now = predicted_speedup(self.profile, current, self.rescue, self.table[current])
+        return self._choose()
+
+    def at_context(self, tokens: float) -> bool:
+        """A call whose steps run at `tokens` cached tokens on average: the costs move there (CostProfile.at_context)
+        and the tree is chosen again at the rule's rescue rate. True when the tree was switched."""
+        if self.profile is None:
+            return False
+        self.costs = self.profile.at_context(tokens)
+        return self._key(self.shape) in self.table and self._choose()
+
+    def _choose(self) -> bool:
+        """The fastest predicted shape at the current costs and rescue rate, when `margin` faster than the running
+        one; True when it was switched to."""
+        current = self._key(self.shape)
+        best, speedup = best_shape(self.costs, self.rescue, self.shape.draft_vocab, self.table)
+        now = predicted_speedup(self.costs, current, self.rescue, self.table[current])
         if best == current or speedup < now * (1 + self.margin):
             return False
         self.shape = TreeShape(*best)

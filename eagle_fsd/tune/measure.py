@@ -25,8 +25,10 @@ SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_to
 TOP_KS = (1, 2, 4, 8)  # candidate branching (EAGLE's top_k)
 MAX_DEPTH = 6
 # tokens cached before a step's rows when costs are timed: mid-answer for chat (prompts near 100 tokens, 256-512 new
-# ones). Attention over the cache grows with it: a verification of 8 rows costs ~10 % more at 250 tokens than at 100.
+# ones), and a short context beside it. Attention over the cache grows with it (a verification of 16 rows costs
+# ~15 % less at 150 tokens than at 256): the profile takes each cost as linear between the two (CostProfile.at_context).
 TIMING_CONTEXT = 256
+SHORT_CONTEXT = 64
 CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 
 
@@ -50,6 +52,7 @@ class TuneSettings:
     retries: int = 2
     busy_wait: float = 10.0
     timing_context: int = TIMING_CONTEXT
+    short_context: int = SHORT_CONTEXT
 
 
 def _sync():
@@ -86,11 +89,11 @@ def calibration_prompts(tokenizer, count: int, texts=None) -> list[torch.Tensor]
     return [tokenizer(t, return_tensors="pt")["input_ids"] for t in texts]
 
 
-def timing_context(model, settings: TuneSettings) -> torch.Tensor:
-    """The context costs are timed on: the calibration prompts end to end, repeated and cut to
-    settings.timing_context tokens (at most half the model's context). Only its length matters to a timing."""
+def timing_context(model, settings: TuneSettings, length: int | None = None) -> torch.Tensor:
+    """The context costs are timed on: the calibration prompts end to end, repeated and cut to `length` tokens
+    (default settings.timing_context; at most half the model's context). Only its length matters to a timing."""
     ids = torch.cat([x[0] for x in calibration_prompts(model.tokenizer, settings.prompts, settings.prompt_texts)])
-    length = settings.timing_context
+    length = length or settings.timing_context
     limit = getattr(model.base_model.config, "max_position_embeddings", None)
     if limit:
         length = min(length, limit // 2)
@@ -250,15 +253,16 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
         vocabs = draft_vocabularies(model, settings, level1 < 0.2 * step_ms)
         biggest_pool = max(k + settings.max_depth * k * k for k in top_ks) + 1
         sizes = tuple(sorted({1} | {n for n in settings.sizes if n <= biggest_pool}))
-        (verify_ms, level_ms, extend_ms), watch = costs_when_quiet(model, timing_context(model, settings), sizes,
-                                                                   top_ks, vocabs, settings, progress)
+        (verify_ms, level_ms, extend_ms), slopes, context, watch = timed_costs(model, sizes, top_ks, vocabs,
+                                                                               settings, progress)
         # t_plain = t_verify(1), timed with the other sizes, + the loop's own per-token work
         plain_ms = verify_ms[1] + plain_loop_ms(plain)
         rows, ranks, continuations = replay_prompts(model, ids[:prompts], plain[:prompts], top_ks, settings, sizes,
                                                     progress)
     tau, by_depth = tau_by_shape(rows, continuations, vocabs, top_ks, settings.max_depth)
     profile = CostProfile(verify_ms, level_ms, extend_ms, 0.0, plain_ms, tau, by_depth,
-                          rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)])
+                          rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)],
+                          context_tokens=context, **slopes)
     profile.overhead_ms = measure_overhead(model, ids[0], profile, settings.new_tokens)
     with torch.no_grad():
         profile.prefill_ms, profile.draft_prefill_ms = measure_prefill(model, first.sequences[0], settings.rounds,
@@ -266,6 +270,23 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
     profile.conditions = watch.conditions()
     profile.calibration = calibration
     return profile
+
+
+def timed_costs(model, sizes, top_ks, vocabs, settings: TuneSettings, progress: bool):
+    """The costs timed at settings.timing_context cached tokens and again at settings.short_context: ((verify_ms,
+    level_ms, extend_ms) at the long one, their slopes in ms per cached token (CostProfile's verify_slope,
+    level_slope, extend_slope; empty when the model's context leaves no room for two), the long context's length,
+    the watch of its timing)."""
+    context = timing_context(model, settings)
+    costs, watch = costs_when_quiet(model, context, sizes, top_ks, vocabs, settings, progress)
+    short = timing_context(model, settings, settings.short_context)
+    if short.numel() >= context.numel():
+        return costs, {}, context.numel(), watch
+    short_costs, _ = costs_when_quiet(model, short, sizes, top_ks, vocabs, settings, progress)
+    span = context.numel() - short.numel()
+    slopes = {name: {key: (long[key] - brief[key]) / span for key in long}
+              for name, long, brief in zip(("verify_slope", "level_slope", "extend_slope"), costs, short_costs)}
+    return costs, slopes, context.numel(), watch
 
 
 def costs_when_quiet(model, context, sizes, top_ks, vocabs, settings: TuneSettings, progress: bool):
@@ -313,10 +334,10 @@ def check_costs(model, profile: CostProfile, margin: float = 1.25, rounds: int =
     top_ks = tuple(sorted({kk for kk, _ in profile.level_ms}))
     vocabs = {vv: vocab_ids(model, vv) for vv in sorted(profile.extend_ms)}
     with torch.no_grad():
-        (verify_ms, level_ms, extend_ms), watch = costs_when_quiet(model, context, sizes, top_ks, vocabs, settings,
-                                                                   progress=False)
+        (verify_ms, level_ms, extend_ms), slopes, _, watch = timed_costs(model, sizes, top_ks, vocabs, settings,
+                                                                         progress=False)
         prefill_ms, draft_prefill_ms = measure_prefill(model, prompt, settings.rounds, watch)
-    healed = replace(profile, verify_ms=verify_ms, level_ms=level_ms, extend_ms=extend_ms,
+    healed = replace(profile, verify_ms=verify_ms, level_ms=level_ms, extend_ms=extend_ms, **slopes,
                      plain_ms=verify_ms[1] + plain_loop_ms([run]), prefill_ms=prefill_ms,
                      draft_prefill_ms=draft_prefill_ms, conditions={**watch.conditions(), "healed_from": found})
     return healed, f"re-timed: it disagreed with this machine now ({found})"

@@ -7,15 +7,24 @@ and for a whole generation of N new tokens after a prompt of P tokens (both deco
 also prefills the drafter):
 
     speedup(shape; P, N) = (P t_prefill + N t_plain) / (P (t_prefill + t_draft_prefill) + N t_step(shape) / E[a + 1])
+
+Every forward reads the cache, so each cost grows with the tokens cached before the step, L. The costs are timed at
+two contexts, C (the profile's `context_tokens`) and a shorter one, and taken as linear in L between and beyond them:
+
+    t(L) = t(C) + s (L - C),   s = (t(C) - t(C_short)) / (C - C_short)
+
+per term (t_verify(n), t_level(k, v), t_extend(v); t_plain moves with t_verify(1)). A generation's steps run at
+contexts spread over [P, P + N], so its costs are those at its mean context, P + N / 2 (`at_context`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from eagle_fsd.tree.shape import TreeShape
 
 Shape = tuple[int, int, int, int]  # (total_token n, depth d, branching k, draft vocabulary size v; 0 = full)
-_KEYED = ("verify_ms", "level_ms", "extend_ms", "tau", "acceptance_by_depth")  # dicts with int / tuple keys
+_KEYED = ("verify_ms", "level_ms", "extend_ms", "tau", "acceptance_by_depth",  # dicts with int / tuple keys
+          "verify_slope", "level_slope", "extend_slope")
 
 
 @dataclass
@@ -34,6 +43,10 @@ class CostProfile:
     draft_prefill_ms: float = 0.0               # per prompt token: the drafter's prefill
     conditions: dict = field(default_factory=dict)  # how the timings were taken (eagle_fsd.tune.trust)
     calibration: list = field(default_factory=list)  # [prompt + greedy continuation ids, prompt length] per prompt
+    context_tokens: int = 0                     # tokens cached when the costs above were timed (0: not known)
+    verify_slope: dict[int, float] = field(default_factory=dict)   # ms per cached token: d t_verify(n) / dL
+    level_slope: dict[tuple[int, int], float] = field(default_factory=dict)  # d t_level(k, v) / dL
+    extend_slope: dict[int, float] = field(default_factory=dict)   # d t_extend(v) / dL
 
     def step_ms(self, shape: Shape) -> float:
         n, d, k, v = shape
@@ -46,6 +59,21 @@ class CostProfile:
         """Whole generations: prompt and new tokens summed over them (see the module docstring)."""
         return workload_speedup(self.prefill_ms, self.draft_prefill_ms, self.plain_ms,
                                 self.step_ms(shape) / self.tau[shape], prompt_tokens, new_tokens)
+
+    def at_context(self, tokens: float) -> "CostProfile":
+        """The profile with every cost moved to `tokens` cached tokens (module docstring); itself when the costs were
+        timed at one context only."""
+        if not self.context_tokens or not self.verify_slope:
+            return self
+        shift = tokens - self.context_tokens
+
+        def moved(costs: dict, slopes: dict) -> dict:  # a cost never drops below a tenth of the timed one
+            return {key: max(ms + slopes.get(key, 0.0) * shift, 0.1 * ms) for key, ms in costs.items()}
+
+        verify = moved(self.verify_ms, self.verify_slope)
+        return replace(self, verify_ms=verify, level_ms=moved(self.level_ms, self.level_slope),
+                       extend_ms=moved(self.extend_ms, self.extend_slope),
+                       plain_ms=self.plain_ms + verify.get(1, 0.0) - self.verify_ms.get(1, 0.0), context_tokens=round(tokens))
 
     def to_json(self) -> dict:
         def keyed(d):
