@@ -12,7 +12,7 @@ from eagle_fsd.presets import drafter_label
 from eagle_fsd.settings import Settings
 from eagle_fsd.tune import device_name
 from eagle_fsd.eval.arms import parse_tree
-from eagle_fsd.tune.follow import ShapeFollower, trees_run_speedup
+from eagle_fsd.tune.follow import ShapeFollower, fit_rescue_on_trees, trees_run_speedup
 
 PHASES = ("draft_prefill", "draft", "verify", "accept", "cache", "other")
 
@@ -116,12 +116,12 @@ def summarize_rows(totals, per_question, questions: int) -> list[dict]:
             row["fuzzy_fraction"] = round(t["fuzzy"] / max(t["accepted"], 1), 3)
             row["trees"] = {k.removeprefix("tree "): int(v) for k, v in t.items() if k.startswith("tree ")}
             row["tree_switches"] = int(t["tree_switches"])
+            row["plain_steps"] = int(t["plain_steps"])  # the speed guard's steps without a draft
             row.update(step_costs(t, questions))
         if name.startswith("fsd") and "eagle-fsd" in totals:  # per answer: what a user waits for, longer replies too
             lossless = totals["eagle-fsd"]
             row["answer_time_vs_lossless"] = round(lossless["seconds"] / t["seconds"], 3)
             row["length_vs_lossless"] = round(t["tokens"] / lossless["tokens"], 3)
-            row["plain_steps"] = int(t["plain_steps"])
         if name != "hf-generate" and not lossy(name):
             row["identical_to_hf_generate"] = f"{int(t['identical'])}/{questions}"
             # new tokens equal to the reference's before the first difference, averaged over the questions
@@ -222,7 +222,10 @@ def print_table(result: dict) -> None:
                   f"drafting and loop {p['drafting_ms']:.1f} / {step['drafting']:.1f}), t_plain {p['plain_ms']:.1f} / "
                   f"{r['plain_ms_per_token']:.1f} ms (predicted / measured)"
                   + (f"; on the trees it ran predicted {r['prediction_on_trees_run']:.2f}x "
-                     f"({100 * r['prediction_error_on_trees_run']:+.0f} %)" if "prediction_on_trees_run" in r else ""))
+                     f"({100 * r['prediction_error_on_trees_run']:+.0f} %), and at the acceptance it measured (rescue "
+                     f"rate {r['rescue_measured']:.2f}) {r['prediction_at_measured_acceptance']:.2f}x "
+                     f"({100 * r['prediction_error_at_measured_acceptance']:+.0f} %: the costs alone)"
+                     if "prediction_on_trees_run" in r else ""))
     for r in result["rows"]:
         if r.get("phase_seconds"):
             print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
@@ -241,7 +244,8 @@ def add_predictions(result: dict, predictions: dict[str, dict], profile=None) ->
     row: tokens/s over the whole answers, and like for like with the prediction, per new token after the prefills
     (prediction_error: predicted / measured - 1), with the measured terms (t_plain). With the profile, also the
     prediction for the trees the row ran, each for its steps, at the same replayed rescue rate (a follower that left
-    its first tree ran others)."""
+    its first tree ran others), and on those trees at the rescue rate that gives the tokens per step it measured
+    (acceptance taken as measured: the costs' own miss)."""
     by_name = {r["method"]: r for r in result["rows"]}
     plain = by_name.get("plain")
     for name, predicted in predictions.items():
@@ -258,7 +262,16 @@ def add_predictions(result: dict, predictions: dict[str, dict], profile=None) ->
             row["prediction_error"] = round(predicted["speedup_per_token"] / measured - 1, 3)
             row["plain_ms_per_token"] = plain["ms_per_token_after_prefill"]
             steps = {ShapeFollower._key(parse_tree(label)): count for label, count in row.get("trees", {}).items()}
-            on_trees = None if profile is None else trees_run_speedup(profile, steps, predicted["rescue"])
+            plain_steps = row.get("plain_steps", 0)
+            on_trees = None if profile is None else trees_run_speedup(profile, steps, predicted["rescue"], plain_steps)
             if on_trees is not None:
                 row["prediction_on_trees_run"] = round(on_trees, 3)
                 row["prediction_error_on_trees_run"] = round(on_trees / measured - 1, 3)
+                # the same trees at the acceptance the row measured on them: what is left is the costs' miss
+                drafted = sum(steps.values())
+                per_drafted_step = (row["tokens_per_step"] * (drafted + plain_steps) - plain_steps) / drafted
+                seen = fit_rescue_on_trees(profile, steps, per_drafted_step)
+                costs_only = trees_run_speedup(profile, steps, seen, plain_steps)
+                row["rescue_measured"] = round(seen, 3)
+                row["prediction_at_measured_acceptance"] = round(costs_only, 3)
+                row["prediction_error_at_measured_acceptance"] = round(costs_only / measured - 1, 3)

@@ -240,6 +240,27 @@ def test_bench_prints_each_rules_first_tree_and_its_prediction():
     # and 2 of (3, 1, 1) (E[a + 1] 3, t_step 52 + 3 + 2 + 1 = 58 ms): 36 tokens in 632 ms, t_plain 36 ms
     assert row["prediction_on_trees_run"] == pytest.approx(36 * 36.0 / 632, abs=1e-3)
     assert row["prediction_error_on_trees_run"] == pytest.approx(36 * 36.0 / 632 / 4.0 - 1, abs=1e-3)
+    # 5 tokens a step is beyond those trees' reach (at most 4.5): the acceptance measured is taken as f = 1
+    assert row["rescue_measured"] == pytest.approx(1.0, abs=1e-3)
+    assert row["prediction_at_measured_acceptance"] == row["prediction_on_trees_run"]
+
+
+def test_the_acceptance_a_row_measured_fits_back_over_the_trees_it_ran():
+    """6 steps on (5, 3, 1) and 2 on (3, 1, 1) at f: their step-weighted E[a + 1] fits back to f, and with it the
+    prediction is the measured speedup wherever the costs hold."""
+    from eagle_fsd.tune.follow import fit_rescue_on_trees, trees_run_speedup
+
+    profile = chain_profile()
+    steps = {(5, 3, 1, 0): 6, (3, 1, 1, 0): 2}
+    for f in (-0.3, 0.0, 0.4, 0.8):
+        tokens_per_step = (6 * rule_tau(list(ALPHA), f) + 2 * rule_tau(list(ALPHA[:2]), f)) / 8
+        assert fit_rescue_on_trees(profile, steps, tokens_per_step) == pytest.approx(f, abs=1e-6)
+        step_ms = (6 * 86 + 2 * 58) / 8  # t_step of each tree (chain_profile)
+        measured = tokens_per_step * profile.plain_ms / step_ms
+        assert trees_run_speedup(profile, steps, f) == pytest.approx(measured, rel=1e-6)
+        # 4 more steps decoded plainly by the speed guard: one token at t_plain each
+        with_plain = (8 * tokens_per_step + 4) * 36.0 / (8 * step_ms + 4 * 36.0)
+        assert trees_run_speedup(profile, steps, f, plain_steps=4) == pytest.approx(with_plain, rel=1e-6)
 
 
 def test_bench_predicts_at_the_runs_mean_context():

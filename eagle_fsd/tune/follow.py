@@ -79,13 +79,27 @@ def rule_tau(alpha0: list[float], rescue: float) -> float:
     return tau
 
 
-def fit_rescue(alpha0: list[float], mean_accepted: float, iterations: int = 40) -> float:
-    """The f in [-1, 1] whose E[a] = rule_tau - 1 equals `mean_accepted` (bisection: E[a] grows with f); the
-    nearest end where it is out of reach (every draft accepted: f = 1)."""
+def fit_rescue(alpha0: list[float], mean_accepted: float) -> float:
+    """The f in [-1, 1] whose E[a] = rule_tau - 1 equals `mean_accepted`; the nearest end where it is out of reach
+    (every draft accepted: f = 1)."""
+    return solve_rate(lambda f: rule_tau(alpha0, f) - 1.0, mean_accepted)
+
+
+def fit_rescue_on_trees(profile: CostProfile, steps: dict[Shape, int], tokens_per_step: float) -> float:
+    """The f whose E[a + 1], averaged over the trees a rule ran weighted by their steps, equals the tokens per step
+    it measured: the acceptance it saw, in the model's terms (with it, a prediction judges the costs alone)."""
+    tables, total = {s: lossless_acceptance(profile, s) for s in steps}, sum(steps.values())
+    return solve_rate(lambda f: sum(count * rule_tau(tables[s], f) for s, count in steps.items()) / total,
+                      tokens_per_step)
+
+
+def solve_rate(grows, target: float, iterations: int = 40) -> float:
+    """The f in [-1, 1] where the increasing function `grows` reaches `target` (bisection); the nearest end where it
+    is out of reach."""
     low, high = -1.0, 1.0
     for _ in range(iterations):
         mid = (low + high) / 2
-        if rule_tau(alpha0, mid) - 1.0 < mean_accepted:
+        if grows(mid) < target:
             low = mid
         else:
             high = mid
@@ -184,14 +198,18 @@ class ShapeFollower:
         return True
 
 
-def trees_run_speedup(profile: CostProfile, steps: dict[Shape, int], rescue: float) -> float | None:
+def trees_run_speedup(profile: CostProfile, steps: dict[Shape, int], rescue: float,
+                      plain_steps: int = 0) -> float | None:
     """The speedup over plain decoding per new token predicted for the trees a rule ran, each for the steps it ran
-    there, at rescue rate f: sum_s steps_s E[a + 1 | s, f] t_plain / sum_s steps_s t_step(s). This judges the cost
-    model on the trees that ran, apart from the follower's choice of them. None: a tree the profile cannot cost."""
+    there, at rescue rate f, with the speed guard's plain steps (one token at t_plain each):
+    (sum_s steps_s E[a + 1 | s, f] + plain_steps) t_plain / (sum_s steps_s t_step(s) + plain_steps t_plain).
+    This judges the cost model on the trees that ran, apart from the follower's choice of them. None: a tree the
+    profile cannot cost."""
     if not steps or any(s not in candidate_shapes(profile, s[3]) for s in steps):
         return None
     tokens = sum(count * rule_tau(lossless_acceptance(profile, s), rescue) for s, count in steps.items())
-    return tokens * profile.plain_ms / sum(count * profile.step_ms(s) for s, count in steps.items())
+    drafted_ms = sum(count * profile.step_ms(s) for s, count in steps.items())
+    return (tokens + plain_steps) * profile.plain_ms / (drafted_ms + plain_steps * profile.plain_ms)
 
 
 def rule_prediction(profile: CostProfile, shape: TreeShape, rescue: float) -> dict:
