@@ -208,6 +208,22 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         if r.get("trees"):
             print(f"{r['method']} trees (steps): {r['trees']}, {r['tree_switches']} switches")
+    print_rule_predictions(result)
+    for r in result["rows"]:
+        if r.get("phase_seconds"):
+            print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
+    if "vllm_version" in result:
+        print(f"vllm rows: vLLM {result['vllm_version']} in its own environment, dtype {result['vllm_dtype']}, run "
+              "before the others; their 'same as plain' is against plain vLLM")
+    if any(r["method"].startswith("llama.cpp") for r in result["rows"]):
+        print("llama.cpp rows: llama-cpp-python in this process, greedy, interleaved with the others; their 'same as "
+              "plain' is against plain llama.cpp")
+    if "peak_rss_gb_engine_loaded" in result:
+        print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
+
+
+def print_rule_predictions(result: dict) -> None:
+    """The cost model's lines per rule: predicted against measured, term by term (add_predictions)."""
     if "prediction_context_tokens" in result:
         print(f"cost model: costs at {result['prediction_context_tokens']:.0f} cached tokens (mean prompt + half the "
               "new tokens)")
@@ -226,17 +242,6 @@ def print_table(result: dict) -> None:
                      f"rate {r['rescue_measured']:.2f}) {r['prediction_at_measured_acceptance']:.2f}x "
                      f"({100 * r['prediction_error_at_measured_acceptance']:+.0f} %: the costs alone)"
                      if "prediction_on_trees_run" in r else ""))
-    for r in result["rows"]:
-        if r.get("phase_seconds"):
-            print(f"{r['method']} time by phase (s): {r['phase_seconds']}")
-    if "vllm_version" in result:
-        print(f"vllm rows: vLLM {result['vllm_version']} in its own environment, dtype {result['vllm_dtype']}, run "
-              "before the others; their 'same as plain' is against plain vLLM")
-    if any(r["method"].startswith("llama.cpp") for r in result["rows"]):
-        print("llama.cpp rows: llama-cpp-python in this process, greedy, interleaved with the others; their 'same as "
-              "plain' is against plain llama.cpp")
-    if "peak_rss_gb_engine_loaded" in result:
-        print(f"peak RSS with the engine's models loaded: {result['peak_rss_gb_engine_loaded']} GB")
 
 
 def add_predictions(result: dict, predictions: dict[str, dict], profile=None) -> None:
