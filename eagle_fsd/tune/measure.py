@@ -37,8 +37,9 @@ class TuneSettings:
     """How much the tuner measures. Up to prompts x new_tokens calibration positions (the tree replay reads fewer
     prompts for an expensive drafter, to keep it near replay_seconds; the rules' replay reads them all); top_ks /
     max_depth / sizes bound the shapes tried (top_ks None: chosen from the drafter's cost); vocabs None: the full
-    vocabulary plus the reduced sizes of vocab.candidate_sizes when a frequency table exists for the tokenizer; rounds: timing repeats; on a busy
-    machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait seconds, up to retries times."""
+    vocabulary plus the reduced sizes of vocab.candidate_sizes when a frequency table exists for the tokenizer;
+    rounds: timing repeats; on a busy machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait
+    seconds, up to retries times; timing_context / short_context: the two cache lengths the costs are timed at."""
 
     prompts: int = 6
     new_tokens: int = 64
