@@ -9,7 +9,7 @@
 # 256 new tokens. Math: GSM8K 250 (seed 0), 512 new tokens, plain decoding on the first 20 as the speed reference.
 # Summaries: python benchmarks/frontier/chat_summary.py OUT/mtbench-low; eagle-fsd sweep ... --summary-only.
 # Math with guards: GSM8K 250 again, lossless and kl_qp T = 2 with the stop tokens kept plus the rank guard (top 4)
-# or the entropy gate (1 nat). Code: HumanEval 164, the math arms.
+# or the entropy gate (1 nat). Code: HumanEval 164, the math arms and both guarded arms.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/frontier/qwen-defaults}
@@ -32,4 +32,4 @@ eagle-fsd sweep "${COMMON[@]}" --max-new-tokens 512 --bench gsm8k --sample 250 -
     --fsd kl_qp+stop+h1:2 --plain-limit 1 --out-dir "$OUT/gsm8k-guards"
 # code: all 164 HumanEval problems at defaults
 eagle-fsd sweep "${COMMON[@]}" --max-new-tokens 512 --bench humaneval --fsd kl_qp:0.3,1,2 --fsd kl_qp+stop:1,2 \
-    --plain-limit 20 --out-dir "$OUT/humaneval"
+    --fsd kl_qp+stop+r4:2 --fsd kl_qp+stop+h1:2 --plain-limit 20 --out-dir "$OUT/humaneval"
