@@ -12,7 +12,7 @@ from eagle_fsd.presets import drafter_label
 from eagle_fsd.settings import Settings
 from eagle_fsd.tune import device_name
 from eagle_fsd.eval.arms import parse_tree
-from eagle_fsd.tune.follow import ShapeFollower, fit_rescue_on_trees, trees_run_speedup
+from eagle_fsd.tune.follow import fit_rescue_on_trees, shape_key, trees_run_speedup
 
 PHASES = ("draft_prefill", "draft", "verify", "accept", "cache", "other")
 
@@ -266,7 +266,7 @@ def add_predictions(result: dict, predictions: dict[str, dict], profile=None) ->
             row["measured_over_plain_per_token"] = round(measured, 3)
             row["prediction_error"] = round(predicted["speedup_per_token"] / measured - 1, 3)
             row["plain_ms_per_token"] = plain["ms_per_token_after_prefill"]
-            steps = {ShapeFollower._key(parse_tree(label)): count for label, count in row.get("trees", {}).items()}
+            steps = {shape_key(parse_tree(label)): count for label, count in row.get("trees", {}).items()}
             plain_steps = row.get("plain_steps", 0)
             on_trees = None if profile is None else trees_run_speedup(profile, steps, predicted["rescue"], plain_steps)
             if on_trees is not None:

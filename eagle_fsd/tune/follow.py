@@ -134,6 +134,11 @@ def best_shape(profile: CostProfile, rescue: float, draft_vocab: int,
     return best, predicted_speedup(profile, best, rescue, table[best])
 
 
+def shape_key(shape: TreeShape) -> Shape:
+    """The profile's key of a tree: (total_token, depth, branching, draft_vocab)."""
+    return shape.total_token, shape.depth, shape.branching, shape.draft_vocab
+
+
 class ShapeFollower:
     """One rule's tree, re-chosen from the acceptance the rule measures on it and the context a call runs at. Every
     `every` speculative steps the rescue rate is fitted to the mean accepted length of the last `window` steps on the
@@ -153,13 +158,9 @@ class ShapeFollower:
     @property
     def room(self) -> TreeShape:
         """A shape whose cache room covers every shape the follower may switch to (a call sizes its caches once)."""
-        shapes = list(self.table) + [self._key(self.shape)]
+        shapes = list(self.table) + [shape_key(self.shape)]
         return TreeShape(max(s[0] for s in shapes), max(s[1] for s in shapes), max(s[2] for s in shapes),
                          self.shape.draft_vocab)
-
-    @staticmethod
-    def _key(shape: TreeShape) -> Shape:
-        return shape.total_token, shape.depth, shape.branching, shape.draft_vocab
 
     def record(self, accepted: int) -> bool:
         """A speculative step's accepted length on the running tree; True when the tree was switched."""
@@ -170,7 +171,7 @@ class ShapeFollower:
         if self.since_check < self.every or len(self.accepted) < self.min_steps:
             return False
         self.since_check = 0
-        current = self._key(self.shape)
+        current = shape_key(self.shape)
         if current not in self.table:
             return False
         self.rescue = fit_rescue(self.table[current], sum(self.accepted) / len(self.accepted))
@@ -182,12 +183,12 @@ class ShapeFollower:
         if self.profile is None:
             return False
         self.costs = self.profile.at_context(tokens)
-        return self._key(self.shape) in self.table and self._choose()
+        return shape_key(self.shape) in self.table and self._choose()
 
     def _choose(self) -> bool:
         """The fastest predicted shape at the current costs and rescue rate, when `margin` faster than the running
         one; True when it was switched to."""
-        current = self._key(self.shape)
+        current = shape_key(self.shape)
         best, speedup = best_shape(self.costs, self.rescue, self.shape.draft_vocab, self.table)
         now = predicted_speedup(self.costs, current, self.rescue, self.table[current])
         if best == current or speedup < now * (1 + self.margin):
@@ -216,7 +217,7 @@ def rule_prediction(profile: CostProfile, shape: TreeShape, rescue: float) -> di
     """What the cost model predicts for a rule on `shape` at rescue rate f: E[a + 1], t_step (and its terms:
     t_verify(n), the drafting and the loop's own work d t_level + t_extend + t_overhead), t_plain and the speedup over
     plain decoding per new token (prefill aside)."""
-    key = ShapeFollower._key(shape)
+    key = shape_key(shape)
     tau = rule_tau(lossless_acceptance(profile, key), rescue)
     step = profile.step_ms(key)
     return {"tau": tau, "step_ms": step, "verify_ms": profile.verify_ms[key[0]],
