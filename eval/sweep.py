@@ -44,7 +44,7 @@ from eagle_fsd.fsd import FsdConfig
 from eagle_fsd.model import load_model
 from eagle_fsd.prompts import PromptFormat, generate_reply
 from eagle_fsd.settings import Settings, add_fsd_args, add_model_args, add_threads_arg, parse_settings
-from eagle_fsd.tune import device_name
+from eagle_fsd.tune import cpu_class, device_name
 
 BENCHES = {"humaneval": humaneval, "gsm8k": gsm8k, "gpqa": gpqa}
 
@@ -101,7 +101,7 @@ def solve(model, fmt: PromptFormat, bench: str, problem: dict, job: SweepJob, ar
             "accepted": sum(out.accept_lengths), "fuzzy": sum(out.fuzzy_accepts), "reply": reply,
             "trees": out.tree_steps, "tree_switches": out.tree_switches,
             "device": device_name(model.base_model.device), "dtype": str(model.base_model.dtype).removeprefix("torch."),
-            "tstamp": time.time()}
+            "cpu": cpu_class() if model.base_model.device.type == "cpu" else "", "tstamp": time.time()}
 
 
 # ---------------------------------------------------------------- main

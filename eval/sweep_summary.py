@@ -89,8 +89,11 @@ def per_answer(done: dict[str, dict], lossless: dict[str, dict], limit: int | No
 
 
 def same_machine(done: dict[str, dict], base: dict[str, dict]) -> list[str]:
-    """The problems both ran on one machine (records made before they named it count as one machine)."""
-    return [t for t in done if t in base and done[t].get("device") == base[t].get("device")]
+    """The problems both ran on one machine: the same CPU name and class (records made before they named one count
+    as one machine)."""
+    def machine(record):
+        return record.get("device"), record.get("cpu")
+    return [t for t in done if t in base and machine(done[t]) == machine(base[t])]
 
 
 def speedup(done: dict[str, dict], base: dict[str, dict]) -> tuple:
@@ -103,7 +106,7 @@ def speedup(done: dict[str, dict], base: dict[str, dict]) -> tuple:
 
 
 PROBLEM_FIELDS = ["bench", "task_id", "method", "correct", "new_tokens", "wall_time", "verify_steps", "accepted",
-                  "fuzzy", "detail", "device", "dtype"]
+                  "fuzzy", "detail", "device", "cpu", "dtype"]
 
 
 def write_summary(out_dir: Path, rows: list[dict], settings: dict, records: list[dict]) -> None:

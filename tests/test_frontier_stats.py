@@ -83,6 +83,10 @@ def test_speed_pairs_only_answers_made_on_one_machine():
     assert fsd["speed_problems"] == 3 and lossless["speed_problems"] == 4
     assert fsd["speedup_vs_lossless"] == pytest.approx(2.0)  # a, b at 2x and c at 2x; d left out
     assert fsd["diff_vs_lossless"] == pytest.approx(0.25)  # accuracy pairs all four: d right only with FSD
+    records[-2]["device"] = "cpu-x"  # d's lossless answer: the same CPU name, but another CPU class
+    records[-2]["cpu"] = "family 25 model 1, avx2"
+    records[-1]["cpu"] = "family 25 model 17, avx512_vnni"
+    assert sweep.summarize(records, {"b": list("abcd")}, arms)[1]["speed_problems"] == 3
 
 
 def test_per_answer_figures_hand_values():

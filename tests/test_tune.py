@@ -468,3 +468,30 @@ def test_kernel_races_are_kept_per_machine_when_quiet(monkeypatch):
     tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
     tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
     assert len(timed) == 6 and not tune_dtype.race_path().exists()  # timed each time, never kept
+
+
+MILAN_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx fma avx2 bmi2
+processor\t: 1
+cpu family\t: 25
+model\t\t: 17
+flags\t\t: avx512f avx512_vnni
+"""
+
+
+@pytest.mark.parametrize("flags, isa", [("avx fma avx2 bmi2", "avx2"), ("avx2 avx512f avx512bw", "avx512"),
+                                        ("avx2 avx512f avx512_vnni avx512_bf16", "avx512_vnni"),
+                                        ("avx2 avx512f avx512_vnni amx_bf16 amx_tile", "amx"), ("sse2", "")])
+def test_cpu_class_names_family_model_and_widest_isa(flags, isa):
+    info = f"processor\t: 0\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel Xeon\nflags\t\t: {flags}\n"
+    assert tune.cpu_class(info) == "family 6 model 143" + (f", {isa}" if isa else "")
+
+
+def test_cpu_class_reads_the_first_processor_and_survives_a_bare_cpuinfo():
+    assert tune.cpu_class(MILAN_CPUINFO) == "family 25 model 1, avx2"  # not processor 1's model or flags
+    assert tune.cpu_class("flags : avx2\n") == "avx2"
+    assert tune.cpu_class("") == ""

@@ -33,7 +33,7 @@ public names are re-exported here.
 from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,
                                   resolve_prepack, resolve_target_quant, target_quant_choice)
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
-                                    calibration_prompts, check_costs, device_name, measure, measure_costs,
+                                    calibration_prompts, check_costs, cpu_class, device_name, measure, measure_costs,
                                     measure_overhead, timed_rounds)
 from eagle_fsd.tune.profile import CostProfile, Tuning, choose_shape, describe, tuning_from
 from eagle_fsd.tune.replay import accepted_lengths, accepted_path, cut_to_vocab, replay, target_hidden, walk_tau
@@ -42,7 +42,7 @@ from eagle_fsd.tune.store import TUNE_VERSION, autotune, cache_key, cache_path, 
 __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "CostProfile", "DraftSetup",
            "TuneSettings", "Tuning", "accepted_lengths", "accepted_path", "autotune",
            "cache_key", "cache_path", "calibration_prompts", "check_costs", "choose_shape", "cpu_flags",
-           "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
+           "cpu_class", "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
            "measure_costs", "measure_overhead", "native_bf16", "read_profile", "replay",
            "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "resolve_target_quant", "target_hidden",
            "target_quant_choice", "timed_rounds", "tuning_from", "walk_tau"]
