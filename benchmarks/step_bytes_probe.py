@@ -1,0 +1,38 @@
+"""The bytes a plain decoding step reads from the target's quantized products, by kind: the Qwen preset at its
+defaults (int4 x int8 where its GGUF is 4-bit, int8 x int8 elsewhere). Divided by the profile's t_plain, the memory
+rate a one-token step runs at; set beside the row kernels' rate from memory (benchmarks/row_kernels_probe.py) it says
+whether the step is bound by bandwidth, and which weights to shrink.
+
+    python benchmarks/step_bytes_probe.py
+"""
+import torch
+
+from eagle_fsd.model import EaFsdModel
+from eagle_fsd.target_quant import Int4Product, RowQuantLinear, own_product
+
+
+def main():
+    torch.set_num_threads(2)
+    model = EaFsdModel.from_pretrained("qwen2.5-coder-1.5b-instruct")
+    kinds, seen = {}, set()
+    for name, module in model.base_model.named_modules():
+        if not isinstance(module, RowQuantLinear):
+            continue
+        product = own_product(module.product)
+        if id(product) in seen:  # a product shared by several projections (q, k, v) is read once
+            continue
+        seen.add(id(product))
+        size = sum(t.numel() * t.element_size() for t in product.state().values())
+        kind = ("int4" if isinstance(product, Int4Product) else "int8") + (" lm_head" if "lm_head" in name else "")
+        counts = kinds.setdefault(kind, [0, 0])
+        counts[0] += size
+        counts[1] += product.out_features * product.in_features
+    total = sum(size for size, _ in kinds.values())
+    for kind, (size, weights) in kinds.items():
+        print(f"{kind:13} {weights / 1e6:7.1f} M weights {size / 1e6:7.1f} MB  {size / weights:.3f} B a weight  "
+              f"{size / total:6.1%} of the bytes")
+    print(f"a plain step reads {total / 1e6:.1f} MB of weights")
+
+
+if __name__ == "__main__":
+    main()
