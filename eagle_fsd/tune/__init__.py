@@ -30,10 +30,10 @@ enough to cache what was timed), store (the JSON cache, autotune), dtype (dtype,
 draft_quant and target_quant "auto"); `eagle-fsd tune` and the cost-curve plot are an app, eagle_fsd.tune_cli. The other
 public names are re-exported here.
 """
-from eagle_fsd.tune.dtype import (cpu_flags, fastest_kind, native_bf16, resolve_draft_quant, resolve_dtype,
-                                  resolve_prepack, resolve_target_quant, target_quant_choice)
+from eagle_fsd.tune.dtype import (cpu_class, cpu_flags, fastest_kind, native_bf16, resolve_draft_quant,
+                                  resolve_dtype, resolve_prepack, resolve_target_quant, target_quant_choice)
 from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, DraftSetup, TuneSettings,
-                                    calibration_prompts, check_costs, cpu_class, device_name, measure, measure_costs,
+                                    calibration_prompts, check_costs, device_name, measure, measure_costs,
                                     measure_overhead, timed_rounds)
 from eagle_fsd.tune.profile import CostProfile, Tuning, choose_shape, describe, tuning_from
 from eagle_fsd.tune.replay import accepted_lengths, accepted_path, cut_to_vocab, replay, target_hidden, walk_tau

@@ -34,6 +34,27 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_class(cpuinfo: str | None = None) -> str:
+    """The CPU as a figure must name it: 'family F model M' and its widest matrix instructions (a KVM guest's model
+    name alone, 'AMD EPYC', hides both), from /proc/cpuinfo's text (`cpuinfo`: that text, else read here); '' where
+    it says neither."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for name, flag in (("amx", "amx_tile"), ("avx512_vnni", "avx512_vnni"), ("avx512", "avx512f"),
+                                        ("avx2", "avx2")) if flag in flags), "")
+    if "cpu family" not in fields:
+        return isa
+    return f"family {fields['cpu family']} model {fields.get('model', '?')}" + (f", {isa}" if isa else "")
+
+
 def native_bf16(flags: set[str] | None = None) -> bool:
     """bf16 matmul in hardware: AMX-BF16 or AVX-512 BF16 (without them bf16 GEMMs are emulated and their cost
     grows linearly with rows)."""

@@ -184,27 +184,6 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_class(cpuinfo: str | None = None) -> str:
-    """The CPU as a figure must name it: 'family F model M' and its widest matrix instructions (a KVM guest's model
-    name alone, 'AMD EPYC', hides both), from /proc/cpuinfo's text (`cpuinfo`: that text, else read here); '' where
-    it says neither."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ""
-    fields = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())  # the first processor's
-    flags = set(fields.get("flags", "").split())
-    isa = next((name for name, flag in (("amx", "amx_tile"), ("avx512_vnni", "avx512_vnni"), ("avx512", "avx512f"),
-                                        ("avx2", "avx2")) if flag in flags), "")
-    if "cpu family" not in fields:
-        return isa
-    return f"family {fields['cpu family']} model {fields.get('model', '?')}" + (f", {isa}" if isa else "")
-
-
 def draft_level_cost(model, first) -> tuple[float, float]:
     """(ms of one draft forward over one node, ms of one plain step of `first`, a plain decoding run)."""
     context = first.sequences[0].to(model.base_model.device)
