@@ -1,5 +1,5 @@
 """The target's quantized products (eagle_fsd.target_quant: int4 x int8 where weights are 4-bit, int8 x int8 elsewhere,
-through int8_rows where the CPU's best build is AVX2, with FBGEMM's beside it, else through FBGEMM) at the row counts
+through int8_rows where a build of it takes this CPU's activation bits, with FBGEMM's beside it, else through FBGEMM) at the row counts
 of plain steps, small trees and a prompt: ms a call at 1 / 2 / 4 / 5 / 8 / 64 rows, 2 threads, random weights of
 Qwen2.5-1.5B's MLP and v projection shapes, median of 3 rounds. "mem": 14 or 28 copies rotated (past a 32 MB L3),
 as in decoding; "L3": one copy. Runs on any CPU with the int4 kernel (AVX-512 VNNI or AVX2).
@@ -38,8 +38,9 @@ def main():
         weights = [torch.randn(out_features, in_features) * 0.02 for _ in range(copies)]
         kinds = {"int4": [Int4Product(w, None) for w in weights],
                  "int8": [Int8Product(w, None, activation_bits(cpu_flags())) for w in weights]}
-        if kinds["int8"][0].avx2:  # this CPU's int8 layers run int8_rows: FBGEMM beside it
-            kinds["int8 FBGEMM"] = [Int8Product(w, None, activation_bits(cpu_flags()), avx2=False) for w in weights]
+        if kinds["int8"][0].rows_kernel:  # this CPU's int8 layers run int8_rows: FBGEMM beside it
+            kinds["int8 FBGEMM"] = [Int8Product(w, None, activation_bits(cpu_flags()), rows_kernel=False)
+                                    for w in weights]
         for name, products in kinds.items():
             cells = " / ".join(f"{ms_a_call(products, rows, in_features):.3f}" for rows in ROWS)
             print(f"{name} {out_features}x{in_features} {where}: ms at {' / '.join(map(str, ROWS))} rows  {cells}")

@@ -23,11 +23,11 @@ many rows, where SDPA's blocked products pay) and float targets attend through t
 float target's hidden states then equal transformers' forward to the bit, and its greedy output is transformers'
 own. Supported: fp32 Llama and Qwen2 decoders without sliding windows, where the extension builds.
 
-One call: where every layer product is one of our own kernels (int4_rows, wherever it builds; int8_rows, where the
-CPU's best build is AVX2), a forward on top of a cached prefix is a single C++ call (decoder_glue.rows_forward,
-planned once per model by `RowsPlan`): the same steps on the same operands in the same order, so the same bits,
-without the ~60 operators and Python calls per layer between them. A drafter (all int4) always takes it, a quantized
-target on AVX2-only CPUs; FBGEMM's int8 layers (VNNI CPUs), float targets and EAGLE-3 features run layer by layer.
+One call: where every layer product is one of our own kernels (int4_rows and int8_rows, wherever they build), a
+forward on top of a cached prefix is a single C++ call (decoder_glue.rows_forward, planned once per model by
+`RowsPlan`): the same steps on the same operands in the same order, so the same bits, without the ~60 operators and
+Python calls per layer between them. A drafter (all int4) and a quantized target take it wherever the kernels build;
+FBGEMM's int8 layers (no build of int8_rows here), float targets and EAGLE-3 features run layer by layer.
 """
 from __future__ import annotations
 

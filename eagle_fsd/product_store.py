@@ -21,7 +21,7 @@ from eagle_fsd.plan import WeightFormat
 from eagle_fsd.target_quant import product_from_state
 from eagle_fsd.weights import format_weights
 
-STORE_VERSION = 1  # the products' layouts (pack_int4, pack_int8_rows, state()); bump when one changes
+STORE_VERSION = 2  # 2: int8_rows products of 8-bit activations (VNNI). The products' layouts (pack_int4, pack_int8_rows, state()); bump when one changes
 WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weights (and their shapes) live in
 
 
@@ -45,7 +45,8 @@ def products_path(model: torch.nn.Module, fmt: WeightFormat) -> Path | None:
     if source is None:
         return None
     key = {"source": source, "dtype": str(next(model.parameters()).dtype), "settings": settings_of(fmt),
-           "int4_build": int4_rows_isa(), "int8_rows": int8_rows_available(), "version": STORE_VERSION}
+           "int4_build": int4_rows_isa(), "int8_rows": [int8_rows_available(bits) for bits in (7, 8)],
+           "version": STORE_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "products" / f"{Path(source['folder']).name}-{digest}.safetensors"
 

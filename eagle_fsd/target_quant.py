@@ -41,10 +41,11 @@ a 105 MB L3:
 Layers whose weights are not 4-bit (Q4_K_M keeps some at 6 bits, and the embedding) stay int8 as above; the 4-bit
 ones keep the GGUF's values up to the fp16 rounding of their group scales and minima.
 
-Where the CPU's best build is AVX2 (no VNNI: 7-bit activations), the int8 layers run eagle_fsd.kernels.int8_rows,
-the same formula summed exactly in int32, instead of FBGEMM, whose operator costs 40-70 us a call there and reads a
-layer no faster than its weights allow only for large ones. 2 threads of an AVX2-only AMD EPYC, weights from memory,
-ms at 1 / 2 / 4 / 5 / 8 rows (benchmarks/row_kernels_probe.py, one run):
+The int8 layers run eagle_fsd.kernels.int8_rows (its AVX-512 VNNI build for 8-bit activations, its AVX2 build for
+7-bit ones), the same formula summed exactly in int32, instead of FBGEMM, whose operator costs 40-70 us a call on
+AVX2 and reads a layer no faster than its weights allow only for large ones; FBGEMM stays where neither build runs.
+2 threads of an AVX2-only AMD EPYC, weights from memory, ms at 1 / 2 / 4 / 5 / 8 rows (benchmarks/row_kernels_probe.py,
+one run):
 
                                     int8_rows                              FBGEMM
     256 x 1536 (a v projection)     0.052 / 0.049 / 0.057 / 0.063 / 0.087  0.120 / 0.138 / 0.144 / 0.132 / 0.147
@@ -119,20 +120,20 @@ def pack_int8(weight: torch.Tensor):
 
 class Int8Product:
     """x -> x W^T + b in fp32 through W rounded per output channel and each row of x rounded with its own scale
-    (the module docstring); per_row False: all rows of a call with one (a drafter's layers). Row-rounded 7-bit layers
-    run eagle_fsd.kernels.int8_rows where this CPU's best build is AVX2 (avx2 None), or where avx2 is True; FBGEMM
-    elsewhere."""
+    (the module docstring); per_row False: all rows of a call with one (a drafter's layers). Row-rounded layers run
+    eagle_fsd.kernels.int8_rows where its build for their activation bits runs here (rows_kernel None), or where
+    rows_kernel is True; FBGEMM elsewhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
-                 per_row: bool = True, avx2: bool | None = None):
+                 per_row: bool = True, rows_kernel: bool | None = None):
         activation_bits = checked_activation_bits(activation_bits)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().float()  # added after the row scale
         self.activation_bits = activation_bits
         self.levels = 2 ** (activation_bits - 1) - 1  # r: the largest |u - z|
         self.per_row = per_row
-        self.avx2 = per_row and activation_bits == 7 and (int8_rows_available() if avx2 is None else avx2)
-        if self.avx2:
+        self.rows_kernel = per_row and (int8_rows_available(activation_bits) if rows_kernel is None else rows_kernel)
+        if self.rows_kernel:
             self.packed, self.qsum, self.scale = pack_int8_rows(*quantize_int8(weight))
             self.padded_bias = None if bias is None else F.pad(self.bias, (0, self.scale.numel() - self.out_features))
         else:
@@ -141,8 +142,9 @@ class Int8Product:
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors `from_state` rebuilds this product from without its weight: codes, scales, bias and
         `info` = (8, out, in, activation bits, per row, int8_rows)."""
-        info = torch.tensor([8, self.out_features, self.in_features, self.activation_bits, self.per_row, self.avx2])
-        if self.avx2:
+        info = torch.tensor([8, self.out_features, self.in_features, self.activation_bits, self.per_row,
+                             self.rows_kernel])
+        if self.rows_kernel:
             tensors = {"packed": self.packed, "qsum": self.qsum, "scale": self.scale}
         else:  # FBGEMM's packed weight is opaque: its int8 codes and per-channel scales
             weight, _ = torch.ops.quantized.linear_unpack(self.packed)
@@ -153,11 +155,11 @@ class Int8Product:
     def from_state(cls, state: dict[str, torch.Tensor]) -> Int8Product:
         """The product `state` describes, bit for bit the one it came from."""
         product = cls.__new__(cls)
-        _, product.out_features, product.in_features, bits, per_row, avx2 = state["info"].tolist()
-        product.activation_bits, product.per_row, product.avx2 = bits, bool(per_row), bool(avx2)
+        _, product.out_features, product.in_features, bits, per_row, rows_kernel = state["info"].tolist()
+        product.activation_bits, product.per_row, product.rows_kernel = bits, bool(per_row), bool(rows_kernel)
         product.levels = 2 ** (bits - 1) - 1
         product.bias = state.get("bias")
-        if product.avx2:
+        if product.rows_kernel:
             product.packed, product.qsum, product.scale = state["packed"], state["qsum"], state["scale"]
             product.padded_bias = None if product.bias is None else \
                 F.pad(product.bias, (0, product.scale.numel() - product.out_features))
@@ -173,8 +175,9 @@ class Int8Product:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError("int8 layers run on the CPU only; quantize the target after moving it")
-        if self.avx2:
-            return int8_rows_linear(x, self.packed, self.qsum, self.scale, self.out_features, self.padded_bias)
+        if self.rows_kernel:
+            return int8_rows_linear(x, self.packed, self.qsum, self.scale, self.out_features, self.padded_bias,
+                                    bits=self.activation_bits)
         rows = x.reshape(-1, self.in_features).float()
         if not self.per_row:  # u = round((x - lo) / s), s = (hi - lo) / 255 over the call (/ 127 for 7 bits)
             y = torch.ops.quantized.linear_dynamic(rows, self.packed, self.activation_bits < 8)
@@ -271,9 +274,10 @@ def kernel_call(product) -> tuple[int, list[torch.Tensor], int] | None:
     if isinstance(product, Int4Product):
         bias = empty if product.bias is None else product.bias.contiguous()
         return int4_rows_entry(), [product.packed, empty, empty, bias], product.packed.shape[1]
-    if isinstance(product, Int8Product) and product.avx2:
+    if isinstance(product, Int8Product) and product.rows_kernel:
         bias = empty if product.padded_bias is None else product.padded_bias.contiguous()
-        return int8_rows_entry(), [product.packed, product.qsum, product.scale, bias], product.packed.shape[1]
+        tensors = [product.packed, product.qsum, product.scale, bias]
+        return int8_rows_entry(product.activation_bits), tensors, product.packed.shape[1]
     return None
 
 
@@ -370,4 +374,4 @@ def int4_share(model: nn.Module) -> float:
 def runs_int8_rows(model: nn.Module) -> bool:
     """Some of a quantized model's int8 layers run eagle_fsd.kernels.int8_rows (not FBGEMM)."""
     products = (own_product(m.product) for m in model.modules() if isinstance(m, RowQuantLinear))
-    return any(isinstance(p, Int8Product) and p.avx2 for p in products)
+    return any(isinstance(p, Int8Product) and p.rows_kernel for p in products)

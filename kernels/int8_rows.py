@@ -1,6 +1,6 @@
-"""8-bit weights times 7-bit activations rounded per row, on CPUs with AVX2 and no VNNI (int8_rows.cpp has the math):
-the target's int8 x int8 product at the pace of its weight reads. FBGEMM's operator, which the other CPUs keep, costs
-40-70 us a call there whatever the layer's size.
+"""8-bit weights times activations rounded per row (int8_rows.cpp has the math): the target's int8 x int8 product at
+the pace of its weight reads, where FBGEMM's operator costs tens of microseconds a call whatever the layer's size.
+Two builds: AVX-512 VNNI with 8-bit activations, AVX2 with 7-bit ones (no VNNI: 8-bit products would saturate).
 
 A C++ extension built on first use like eagle_fsd.kernels.int4_rows (a C++ compiler and ninja; cached as
 cpp_build says). `int8_rows_reference` is the same product in float64, for tests.
@@ -17,32 +17,44 @@ from .cpp_build import load_extension
 from .int4_rows import ISA_FLAGS, cpu_flags, runnable_isas
 
 LANES, CHUNK = 16, 4  # channels per block, inputs per chunk
-LEVELS, ZERO = 63, 64  # r and z of 7-bit activations: u = round(r x / max |x|) + z in 1..127
+BUILDS = {8: "avx512_vnni", 7: "avx2"}  # activation bits -> the build that takes them
+
+
+def levels(bits: int) -> tuple[int, int]:
+    """(r, z) of `bits`-bit activations: u = round(r x / max |x|) + z in 1..2z - 1."""
+    r = 2 ** (bits - 1) - 1
+    return r, r + 1
 
 
 @functools.cache
-def _extension():
-    return load_extension("eagle_fsd_int8_rows_avx2", Path(__file__).with_name("int8_rows.cpp"),
-                          ["-O3", "-fopenmp", *ISA_FLAGS["avx2"][1]], ["-fopenmp"])
+def _extension(isa: str):
+    return load_extension(f"eagle_fsd_int8_rows_{isa}", Path(__file__).with_name("int8_rows.cpp"),
+                          ["-O3", "-fopenmp", *ISA_FLAGS[isa][1]], ["-fopenmp"])
+
+
+def _build(bits: int) -> str:
+    if bits not in BUILDS:
+        raise ValueError(f"activation bits {bits!r}: int8_rows has builds for {sorted(BUILDS)}")
+    return BUILDS[bits]
 
 
 @functools.cache
-def int8_rows_runnable() -> bool:
-    """This CPU has AVX2 (FMA, F16C) and the kernel compiles here."""
-    if "avx2" not in runnable_isas(cpu_flags(), ""):
+def int8_rows_runnable(bits: int) -> bool:
+    """This CPU has the instructions of the build for `bits`-bit activations, and it compiles here."""
+    if _build(bits) not in runnable_isas(cpu_flags(), ""):
         return False
     try:
-        _extension()
+        _extension(_build(bits))
     except Exception:  # no compiler, no ninja, headers missing: FBGEMM stays
         return False
     return True
 
 
-def int8_rows_available() -> bool:
-    """The target's int8 layers run here rather than FBGEMM: the CPU's best build is AVX2 (no AVX-512 VNNI, or torch
-    capped at AVX2 by ATEN_CPU_CAPABILITY), so its int8 layers take 7-bit activations, and the kernel compiles."""
-    isas = runnable_isas(cpu_flags(), torch.backends.cpu.get_cpu_capability())
-    return bool(isas) and isas[0] == "avx2" and int8_rows_runnable()
+def int8_rows_available(bits: int) -> bool:
+    """The target's int8 layers with `bits`-bit activations run here rather than FBGEMM: the build for them is
+    runnable within torch's CPU capability (ATEN_CPU_CAPABILITY=avx2 rules out the VNNI build) and compiles."""
+    allowed = runnable_isas(cpu_flags(), torch.backends.cpu.get_cpu_capability())
+    return _build(bits) in allowed and int8_rows_runnable(bits)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,31 +78,35 @@ def pack_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
     return packed.contiguous(), qsum, F.pad(scale.float(), (0, blocks * LANES - n))
 
 
-def round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def round_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (rows, k) -> (u - z, a): u = round(r x / m) + z, m = max |x| per row, a = m / r (the kernel's rounding)."""
+    r, _ = levels(bits)
     x = x.float()
     peak = x.abs().amax(1, keepdim=True).clamp(min=1e-30)
-    return torch.round(x * (LEVELS / peak)), peak / LEVELS
+    return torch.round(x * (r / peak)), peak / r
 
 
-def int8_rows_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+def int8_rows_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias=None, *,
+                        bits: int) -> torch.Tensor:
     """The kernel's product in float64: a_i sum_j s_o q_oj (u_ij - z) (+ bias)."""
-    v, a = round_rows(x.reshape(-1, x.shape[-1]))
+    v, a = round_rows(x.reshape(-1, x.shape[-1]), bits)
     y = (v.double() @ (q.double() * scale.double().unsqueeze(1)).T) * a.double()
     return y if bias is None else y + bias.double()
 
 
 def int8_rows_linear(x: torch.Tensor, packed: torch.Tensor, qsum: torch.Tensor, scale: torch.Tensor,
-                     out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., k) fp32 -> (..., out_features) fp32 through `pack_int8_rows`' weight; bias (None, or fp32 padded to the
-    packed channels like the scales)."""
+                     out_features: int, bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
+    """x (..., k) fp32 -> (..., out_features) fp32 through `pack_int8_rows`' weight, activations rounded to `bits`
+    (the build taking them); bias (None, or fp32 padded to the packed channels like the scales)."""
     rows = x.reshape(-1, x.shape[-1])
-    y = _extension().int8_rows_linear(rows.float(), packed, qsum, scale, torch.empty(0) if bias is None else bias)
+    y = _extension(_build(bits)).int8_rows_linear(rows.float(), packed, qsum, scale,
+                                                  torch.empty(0) if bias is None else bias)
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def int8_rows_entry() -> int:
-    """The address of the kernel's C entry (int8_rows_into), which eagle_fsd.kernels.decoder_glue's layer loop calls."""
-    return _extension().entry()
+def int8_rows_entry(bits: int) -> int:
+    """The address of the C entry (int8_rows_into) of the build for `bits`, which eagle_fsd.kernels.decoder_glue's
+    layer loop calls."""
+    return _extension(_build(bits)).entry()

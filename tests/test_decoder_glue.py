@@ -430,10 +430,11 @@ def steps_on_a_prompt(model, run):
 def test_one_call_forward_equals_layer_by_layer_to_the_bit(kind, mix, monkeypatch):
     """rows_forward (the whole forward in one C++ call) against the same steps layer by layer from Python: the same
     bits for every tree node, plain step and cache entry; int4 only, Q4_K_M's int4/int8 mix (one call where the int8
-    layers run int8_rows, i.e. on AVX2-only CPUs), and a drafter (all int4, not exact)."""
+    layers run int8_rows: a build of it takes this CPU's activation bits), and a drafter (all int4, not exact)."""
     from eagle_fsd.fused_decoder import layer_by_layer, rows_plan
     from eagle_fsd.kernels.int4_rows import int4_rows_available
     from eagle_fsd.kernels.int8_rows import int8_rows_available
+    from eagle_fsd.target_quant import cpu_activation_bits
 
     if not int4_rows_available():
         pytest.skip("the one-call forward runs own kernels only; this CPU has no int4 build")
@@ -452,7 +453,7 @@ def test_one_call_forward_equals_layer_by_layer_to_the_bit(kind, mix, monkeypatc
     run = model_run(model, fmt, "auto", exact=exact, decoder=True)
     assert run.fused and run.rows_attend
     one_call = rows_plan(model.get_decoder()).calls is not None
-    assert one_call == (mix != "gguf" or int8_rows_available())
+    assert one_call == (mix != "gguf" or int8_rows_available(cpu_activation_bits()))
     calls = []
 
     def counted(*args):

@@ -50,8 +50,9 @@ def test_each_product_survives_its_state():
     g = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
     kinds = [Int8Product(weight, bias, per_row=False), Int8Product(weight, None, per_row=False)]
-    if int8_rows_available():
-        kinds += [Int8Product(weight, bias, avx2=True), Int8Product(weight, None, avx2=True)]
+    for bits in (7, 8):
+        if int8_rows_available(bits):
+            kinds += [Int8Product(weight, b, bits, rows_kernel=True) for b in (bias, None)]
     if int4_rows_available():
         kinds += [Int4Product(four_bit(weight), bias), Int4Product(four_bit(weight), None)]
     for product in kinds:

@@ -341,12 +341,12 @@ def test_cache_key_separates_the_int8_kernel(monkeypatch):
     from eagle_fsd.plan import WeightFormat
     from eagle_fsd.weights import format_weights
 
-    if not (target_quant.row_int8_supported("cpu") and int8_rows_runnable()):
+    if not (target_quant.row_int8_supported("cpu") and int8_rows_runnable(7)):
         pytest.skip("needs FBGEMM's int8 linear, AVX2 and a C++ compiler")
     monkeypatch.setattr(target_quant, "cpu_activation_bits", lambda: 7)  # the int8 layers of a CPU without VNNI
     keys = {}
     for avx2 in (False, True):
-        monkeypatch.setattr(target_quant, "int8_rows_available", lambda: avx2)
+        monkeypatch.setattr(target_quant, "int8_rows_available", lambda bits: avx2)
         target, drafter = tiny_model("llama", seed=1), LMDrafter(tiny_model("llama", seed=2), 1000)
         rows = WeightFormat("rows")
         format_weights(target, rows)

@@ -117,7 +117,8 @@ def raced_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4,
     key = json.dumps({"cpu": device_name(torch.device("cpu")), "flags": sorted(cpu_flags()),
                       "caps": {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ},
                       "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0],
-                      "builds": [int4_rows_isa(), int8_rows_available()] if ours else None, "version": RACE_VERSION,
+                      "builds": [int4_rows_isa(), *map(int8_rows_available, (7, 8))] if ours else None,
+                      "version": RACE_VERSION,
                       "shape": [hidden, intermediate], "kinds": list(kinds), "rows": list(rows)}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     races = read_races()
