@@ -21,7 +21,7 @@ def main():
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     from eagle_fsd.model import EaFsdModel
-    from eagle_fsd.target_quant import weights_label
+    from eagle_fsd.target_quant import int4_share
 
     imported = time.perf_counter()
     model = EaFsdModel.from_pretrained(args.model)
@@ -30,7 +30,7 @@ def main():
     out = model.generate(ids, max_new_tokens=16)
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
     print(f"{args.model}: import {imported - start:.1f} s, load {loaded - imported:.1f} s, peak RSS {peak_gb:.2f} GB "
-          f"(target {weights_label(model.base_model)}, tree {model.shape})")
+          f"(target {int4_share(model.base_model):.0%} int4, tree {model.shape})")
     print("16 new tokens:", out[0, ids.shape[1]:].tolist())
 
 

@@ -74,22 +74,23 @@ def main():
     model = EaFsdModel.from_pretrained("qwen2.5-coder-1.5b-instruct", total_token=5, depth=1, top_k=4,
                                        draft_vocab=37888, tune_progress=False)
     target, drafter = model.base_model, model.drafter
-    print("target:", target_quant.weights_label(target), "| drafter:", target_quant.weights_label(drafter.module))
+    print(f"target: {target_quant.int4_share(target):.0%} of weights int4 | drafter: "
+          f"{target_quant.int4_share(drafter.module):.0%}")
     clock = [0.0]
     time_products(target, clock)
     time_products(drafter.module, clock)
     ids = model.tokenizer(PROMPT, return_tensors="pt")["input_ids"][0]
     n = ids.numel()
     print("prompt tokens:", n)
-    cache = TreeCache.for_model(target, n + 64)
-    decoder_outputs(target, ids, cache, causal_mask(0, n, ids.device), torch.arange(n), model.attention)
+    cache = TreeCache.for_model(target, n + 64, model.plan.target)
+    decoder_outputs(target, ids, cache, causal_mask(0, n, ids.device), torch.arange(n), model.plan.target)
     head = target.get_output_embeddings()
 
     def target_forward(k):
         tokens = ids[:k]
         tree = torch.ones(k, k, dtype=torch.bool).tril()
         hidden, _ = decoder_outputs(target, tokens, cache, prefix_tree_mask(n, tree), n + torch.arange(k),
-                                    model.attention)
+                                    model.plan.target)
         head(hidden)
 
     with model._drafting_for(model.shape):
