@@ -21,7 +21,7 @@ from eagle_fsd.plan import WeightFormat
 from eagle_fsd.target_quant import product_from_state
 from eagle_fsd.weights import format_weights
 
-STORE_VERSION = 2  # 2: int8_rows products of 8-bit activations (VNNI). The products' layouts (pack_int4, pack_int8_rows, state()); bump when one changes
+STORE_VERSION = 2  # the products' layouts (pack_int4, pack_int8_rows, state()); bump when one changes
 WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weights (and their shapes) live in
 
 
