@@ -24,14 +24,14 @@ PATHS = {"in place": True, "copied": False}
 
 def verify_ms(model, context: torch.Tensor, n: int, rounds: int = 9) -> float:
     target = model.base_model
-    cache = TreeCache.for_model(target, context.numel() + n)
+    cache = TreeCache.for_model(target, context.numel() + n, model.plan.target)
     decoder_forward(target, context, cache, causal_mask(0, context.numel(), context.device),
-                    torch.arange(context.numel()), model.attention)
+                    torch.arange(context.numel()), model.plan.target)
     base, times = context.numel(), []
     for _ in range(rounds):
         start = time.perf_counter()
         target.get_output_embeddings()(decoder_forward(target, context[-n:], cache, causal_mask(base, n, context.device),
-                                                       base + torch.arange(n), model.attention))
+                                                       base + torch.arange(n), model.plan.target))
         times.append(1000 * (time.perf_counter() - start))
         cache.crop(base)
     return statistics.median(times)
