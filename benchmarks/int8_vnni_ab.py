@@ -24,7 +24,8 @@ ROUNDS = 15
 
 
 def int8_twins(model):
-    """[(holder, attribute, int8_rows product, FBGEMM product of the same weight)] for the model's int8 layers."""
+    """[(holder of the product, its int8_rows product, an FBGEMM product of the same weight)] for the model's int8
+    layers."""
     twins = []
     for module in model.modules():
         if not isinstance(module, RowQuantLinear):
@@ -32,10 +33,10 @@ def int8_twins(model):
         holder = module.product if isinstance(module.product, SharedInputProduct) else module
         inner = holder.product
         if isinstance(inner, Int8Product) and inner.rows_kernel and all(t[0] is not holder for t in twins):
-            weight = module.weight if inner.out_features == module.out_features else None
-            if weight is None:
+            if inner.out_features != module.out_features:
                 raise SystemExit("a shared int8 product over several layers: not handled by this probe")
-            twins.append((holder, inner, Int8Product(weight, inner.bias, inner.activation_bits, rows_kernel=False)))
+            twins.append((holder, inner, Int8Product(module.weight, inner.bias, inner.activation_bits,
+                                                     rows_kernel=False)))
     return twins
 
 

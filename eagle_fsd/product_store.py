@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle_fsd.files import cache_dir
 from eagle_fsd.kernels.int4_rows import int4_rows_isa
-from eagle_fsd.kernels.int8_rows import int8_rows_available
+from eagle_fsd.kernels.int8_rows import int8_rows_builds
 from eagle_fsd.plan import WeightFormat
 from eagle_fsd.target_quant import product_from_state
 from eagle_fsd.weights import format_weights
@@ -45,8 +45,7 @@ def products_path(model: torch.nn.Module, fmt: WeightFormat) -> Path | None:
     if source is None:
         return None
     key = {"source": source, "dtype": str(next(model.parameters()).dtype), "settings": settings_of(fmt),
-           "int4_build": int4_rows_isa(), "int8_rows": [int8_rows_available(bits) for bits in (7, 8)],
-           "version": STORE_VERSION}
+           "int4_build": int4_rows_isa(), "int8_rows": int8_rows_builds(), "version": STORE_VERSION}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "products" / f"{Path(source['folder']).name}-{digest}.safetensors"
 

@@ -75,7 +75,8 @@ void block_product(const int8_t* packed, int64_t b, int64_t chunks, const uint8_
   const __m512 beta = bias ? _mm512_loadu_ps(bias + lane0) : _mm512_setzero_ps();
   for (int i = 0; i < R; ++i) {
     const __m512 p = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], offset));  // P - z Q, exact in int32
-    _mm512_storeu_ps(y + (r0 + i) * ldy + lane0, _mm512_fmadd_ps(_mm512_mul_ps(p, s), _mm512_set1_ps(a[r0 + i]), beta));
+    _mm512_storeu_ps(y + (r0 + i) * ldy + lane0,
+                     _mm512_fmadd_ps(_mm512_mul_ps(p, s), _mm512_set1_ps(a[r0 + i]), beta));
   }
 #else
   __m256i acc[2][R];

@@ -57,6 +57,12 @@ def int8_rows_available(bits: int) -> bool:
     return _build(bits) in allowed and int8_rows_runnable(bits)
 
 
+def int8_rows_builds() -> list[str]:
+    """The builds the target's int8 layers may run here (`int8_rows_available`), by name: what a cache of products or
+    timings made with them is keyed by."""
+    return [isa for bits, isa in BUILDS.items() if int8_rows_available(bits)]
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W (n, k) -> codes q (n, k) int8 in -127..127 and scales s (n) fp32, W ~ s q per output channel:
     s = max_j |W_oj| / 127."""

@@ -16,7 +16,7 @@ import torch
 
 from eagle_fsd.files import atomic_write_text, cache_dir
 from eagle_fsd.kernels.int4_rows import int4_rows_available, int4_rows_isa
-from eagle_fsd.kernels.int8_rows import int8_rows_available
+from eagle_fsd.kernels.int8_rows import int8_rows_builds
 from eagle_fsd.prepack import pack_weight, packed_linear, prepack_supported
 from eagle_fsd.quant import QuantLinear, quant_supported
 from eagle_fsd.target_quant import Int4Product, RowQuantLinear, row_int8_supported
@@ -117,7 +117,7 @@ def raced_ms(hidden: int, intermediate: int, kinds: tuple[str, ...], rows=(1, 4,
     key = json.dumps({"cpu": device_name(torch.device("cpu")), "flags": sorted(cpu_flags()),
                       "caps": {name: os.environ[name] for name in CPU_CAP_VARS if name in os.environ},
                       "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0],
-                      "builds": [int4_rows_isa(), *map(int8_rows_available, (7, 8))] if ours else None,
+                      "builds": [int4_rows_isa(), *int8_rows_builds()] if ours else None,
                       "version": RACE_VERSION,
                       "shape": [hidden, intermediate], "kinds": list(kinds), "rows": list(rows)}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
