@@ -1,5 +1,6 @@
 """The bytes a plain decoding step reads from the target's quantized products, by kind: the Qwen preset at its
-defaults (int4 x int8 where its GGUF is 4-bit, int8 x int8 elsewhere). Divided by the profile's t_plain, the memory
+defaults (its GGUF's Q4_K / Q6_K blocks where that file is cached, else int4 x int8 where it is 4-bit and int8 x int8
+elsewhere). Divided by the profile's t_plain, the memory
 rate a one-token step runs at; set beside the row kernels' rate from memory (benchmarks/row_kernels_probe.py) it says
 whether the step is bound by bandwidth, and which weights to shrink.
 
@@ -23,7 +24,8 @@ def main():
             continue
         seen.add(id(product))
         size = sum(t.numel() * t.element_size() for t in product.state().values())
-        kind = ("int4" if isinstance(product, Int4Product) else "int8") + (" lm_head" if "lm_head" in name else "")
+        kind = getattr(product, "kind", "int4" if isinstance(product, Int4Product) else "int8")
+        kind += " lm_head" if "lm_head" in name else ""
         counts = kinds.setdefault(kind, [0, 0])
         counts[0] += size
         counts[1] += product.out_features * product.in_features

@@ -22,7 +22,7 @@ from eagle_fsd.prepack import PackedLinear
 from eagle_fsd.product_store import format_cached
 from eagle_fsd.quant import QuantLinear
 from eagle_fsd.settings import AUTO, Settings
-from eagle_fsd.target_quant import RowQuantLinear, activation_bits, int4_share, runs_int8_rows
+from eagle_fsd.target_quant import RowQuantLinear, activation_bits, gguf_share, int4_share, runs_int8_rows
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
                             resolve_target_quant, target_quant_choice)
@@ -73,7 +73,9 @@ def load_pretrained(cls, base_model: str, drafter: tuple = (None, None), tree: t
     fixed, auto = requested_tree(preset, tree)
     path = presets.resolve_model(base_model)
     kind, source = drafter_source(base_model, *drafter)  # a bad head fails before the target loads
-    target, tokenizer, target_format = load_formatted_target(path, preset, options, hf_kwargs or {})
+    gguf = presets.gguf_path(base_model) if preset else None
+    target, tokenizer, target_format = load_formatted_target(path, preset, options, hf_kwargs or {},
+                                                             gguf if gguf is not None and gguf.is_file() else None)
     drafter_model = build_drafter(kind, source, target, tokenizer)
     drafter_format = format_drafter(drafter_model, target_format, options, target)
     shape = TreeShape(*(fixed.get(name, 1) for name in TREE_NAMES[:3]),
@@ -85,9 +87,10 @@ def load_pretrained(cls, base_model: str, drafter: tuple = (None, None), tree: t
     return model
 
 
-def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwargs: dict):
+def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwargs: dict, gguf: Path | None = None):
     """(target, tokenizer, its WeightFormat): loaded in the dtype "auto" resolves to, its linear layers in the
-    format chosen for it. A target to be quantized loads as stored (its products are rounded from the checkpoint's own
+    format chosen for it; a quantized one on the Q4_K / Q6_K blocks of `gguf` (the GGUF it was converted from) where
+    that file is given. A target to be quantized loads as stored (its products are rounded from the checkpoint's own
     weights; a bf16 checkpoint then maps in a second where converting it to fp32 takes half a minute); the weight
     step makes every other parameter fp32."""
     config = AutoConfig.from_pretrained(path)
@@ -98,7 +101,8 @@ def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwar
     load_dtype = "auto" if target_bits and options.dtype == "auto" else run_dtype
     target, tokenizer = load_target(path, load_dtype, options.device_map, hf_kwargs)
     if target_bits:
-        fmt = WeightFormat("rows", activation_bits=activation_bits(cpu_flags()), four_bit=target_bits == 4)
+        fmt = WeightFormat("rows", activation_bits=activation_bits(cpu_flags()), four_bit=target_bits == 4,
+                           gguf=None if gguf is None or target_bits != 4 else str(gguf))
     else:
         fmt = PREPACKED if resolve_prepack(options.prepack, target) else WeightFormat()
     format_cached(target, fmt)
@@ -150,7 +154,7 @@ def model_run(module, fmt: WeightFormat, backend: str, exact: bool, decoder: boo
     rows = fmt.quantized_rows
     return ModelRun(dtype=next(module.parameters()).dtype, weights=fmt, fused=decoder and fused_fits(module),
                     exact=exact, backend=backend, int4_share=int4_share(module) if rows else 0.0,
-                    int8_rows=rows and runs_int8_rows(module))
+                    int8_rows=rows and runs_int8_rows(module), gguf_share=gguf_share(module) if rows else 0.0)
 
 
 def requested_tree(preset: bool, tree: tuple) -> tuple[dict, list[str]]:

@@ -74,9 +74,9 @@ def exactness(dtype: torch.dtype, target_quantized: bool = False) -> str:
     tokens a forward holds (measured agreement with plain decoding: README, BENCHMARKS.md). A quantized target
     (eagle_fsd.target_quant) is the model it is exact against."""
     if target_quantized:
-        return ("greedy output is plain greedy decoding of the quantized target (int8 weights rounded from the "
-                "preset's, or int4 where they are 4-bit already; 8-bit activations per row, fp32 elsewhere), token "
-                "for token; --target-quant off keeps the float weights")
+        return ("greedy output is plain greedy decoding of the quantized target (the preset GGUF's own Q4_K / Q6_K "
+                "blocks where it is cached, else int4 / int8 weights rounded from the preset's; 8-bit activations per "
+                "row, fp32 elsewhere), token for token; --target-quant off keeps the float weights")
     if dtype in (torch.float32, torch.float64):
         return "greedy output is the target's own greedy output, token for token"
     name = dtype_name(dtype)

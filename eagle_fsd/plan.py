@@ -30,13 +30,15 @@ class WeightFormat:
     int8/int4  weight-only rounding, activations in the model's dtype (a drafter: eagle_fsd.quant)
     rows       int8 x int8 with activations rounded to `activation_bits` (eagle_fsd.target_quant); `four_bit`: the
                layers that are 4-bit already run int4 x int8 (with `requantize`, every layer of whole groups);
-               `exact`: activations rounded row by row (a target), else once per call (a drafter)"""
+               `exact`: activations rounded row by row (a target), else once per call (a drafter); `gguf`: a GGUF
+               file whose Q4_K / Q6_K blocks the layers it holds run on as they are (eagle_fsd.gguf_blocks)"""
 
     kind: str = "float"
     activation_bits: int | None = None  # None: this CPU's (eagle_fsd.target_quant.cpu_activation_bits)
     four_bit: bool = False
     requantize: bool = False
     exact: bool = True
+    gguf: str | None = None
 
     def __post_init__(self):
         if self.kind not in WEIGHT_KINDS:
@@ -51,7 +53,8 @@ class WeightFormat:
 class ModelRun:
     """How one model runs. exact: a target (its tokens are the reference) rather than a drafter (whose rounding only
     moves acceptance). fused: eagle_fsd.fused_decoder runs its forwards. int4_share / int8_rows: what the weight step
-    made of a `rows` model (the share of weights run 4-bit; int8 layers on eagle_fsd.kernels.int8_rows)."""
+    made of a `rows` model (the share of weights run 4-bit; int8 layers on eagle_fsd.kernels.int8_rows); gguf_share: the
+    share run on a GGUF's own blocks."""
 
     dtype: torch.dtype = torch.float32
     weights: WeightFormat = field(default_factory=WeightFormat)
@@ -60,6 +63,7 @@ class ModelRun:
     backend: str = "auto"
     int4_share: float = 0.0
     int8_rows: bool = False
+    gguf_share: float = 0.0
 
     @property
     def fp64_attention(self) -> bool:
@@ -84,6 +88,8 @@ class ModelRun:
         """How the linear layers multiply, in words."""
         kind = self.weights.kind
         if kind == "rows":
+            if self.gguf_share:
+                return f"GGUF Q4_K / Q6_K blocks x int8 ({self.gguf_share:.0%} of weights, {self.int4_share:.0%} 4-bit)"
             share = f"int4 x int8 ({self.int4_share:.0%} of weights), " if self.int4_share else ""
             return f"{share}int8 x int8"
         return {"float": "as loaded", "prepacked": "as loaded, prepacked"}.get(kind, kind)
@@ -96,6 +102,8 @@ class ModelRun:
         if self.weights.kind == "rows":
             key["int4_share"] = round(self.int4_share, 2)
             key["int8_kernel"] = "int8_rows" if self.int8_rows else "fbgemm"
+            if self.gguf_share:
+                key["gguf_share"] = round(self.gguf_share, 2)
         if self.fused:
             key["fused"] = True
         return key

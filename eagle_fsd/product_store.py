@@ -18,10 +18,10 @@ from eagle_fsd.files import cache_dir
 from eagle_fsd.kernels.int4_rows import int4_rows_isa
 from eagle_fsd.kernels.int8_rows import int8_rows_builds
 from eagle_fsd.plan import WeightFormat
-from eagle_fsd.target_quant import product_from_state
+from eagle_fsd.target_quant import product_from_state, state_kind
 from eagle_fsd.weights import format_weights
 
-STORE_VERSION = 2  # the products' layouts (pack_int4, pack_int8_rows, state()); bump when one changes
+STORE_VERSION = 3  # the products' layouts (pack_int4, pack_int8_rows, kquant_rows.pack, state()); bump when one changes
 WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weights (and their shapes) live in
 
 
@@ -77,8 +77,8 @@ class ProductStore:
         product = self.built[name] = build()
         return product
 
-    def kinds(self, prefix: str, shapes: dict[str, tuple[int, int]]) -> dict[str, bool] | None:
-        """{layer: runs int4} for sibling layers (`shapes`: name -> weight shape) whose products are all saved, as
+    def kinds(self, prefix: str, shapes: dict[str, tuple[int, int]]) -> dict[str, str] | None:
+        """{layer: its product's kind (target_quant.product_kind)} for sibling layers (`shapes`: name -> weight shape) whose products are all saved, as
         columns of products named "{prefix}a+b" over exactly these layers and shapes; else None. (Which siblings are
         4-bit already takes a scan of their weights; the saved products tell it.)"""
         found = {}
@@ -89,7 +89,7 @@ class ProductStore:
             out = sum(shapes[member][0] for member in members)
             if state["info"].tolist()[1:3] != [out, shapes[members[0]][1]]:
                 return None
-            found |= {member: int(state["info"][0]) == 4 for member in members}
+            found |= {member: state_kind(state) for member in members}
         return found if found.keys() == shapes.keys() else None
 
     def save(self) -> None:
@@ -125,8 +125,10 @@ class ProductStore:
 
 def settings_of(fmt: WeightFormat) -> dict:
     """The settings a `rows` format's products depend on."""
+    gguf = None if fmt.gguf is None else Path(fmt.gguf)
     return {"activation_bits": fmt.activation_bits, "exact": fmt.exact, "four_bit": fmt.four_bit,
-            "requantize": fmt.requantize}
+            "requantize": fmt.requantize,
+            "gguf": None if gguf is None else [str(gguf.resolve()), gguf.stat().st_size, gguf.stat().st_mtime_ns]}
 
 
 def format_cached(model: torch.nn.Module, fmt: WeightFormat) -> int:

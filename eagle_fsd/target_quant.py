@@ -3,13 +3,7 @@
 
 Decoding a model of a billion or more parameters on a few cores is bound by the bytes of weight read per forward,
 and verifying a tree reads them once for all its tokens. So the target's speed is its weight bytes, as long as the
-kernel keeps a few rows as cheap as one. Measured on 2 AMD EPYC threads, 1536 -> 8960 (Qwen2.5-1.5B's MLP), weights
-from memory, ms at 1 / 4 / 8 / 16 rows (benchmarks/target_quant_kernels.py):
-
-    bf16 prepacked (oneDNN)                       1.35 / 1.38 / 1.56 / 1.93
-    int4 weight-only (aten, group 32)             0.45 / 0.79 / 1.59 / 3.16   (pays per 4 rows)
-    int8 weight-only (aten)                       0.93 / 1.24 / 2.33 / 3.85
-    int8 x int8, this module's layer (FBGEMM)     0.56 / 0.77 / 0.88 / 1.22
+kernel keeps a few rows as cheap as one. The kernels' timings are in docs/cpu-kernels.md.
 
 Per output channel o and input row i, with m_i = max_j |x_ij| and b bits of activation (8 on CPUs with VNNI,
 else 7, so that FBGEMM's 16-bit pair sums cannot saturate):
@@ -23,42 +17,25 @@ rows of the call: verifying a tree gives each token bit for bit what a plain dec
 model gives it, provided the layer's input is bit for bit the same too. The rounding to 8 bits would turn a
 last-bit difference of an fp32 sum into a whole step, so attention must not depend on how many queries and keys a
 forward holds either: eagle_fsd.fused_decoder (Llama, Qwen2) sums each query over its visible keys alone, in a
-fixed order; other models attend in float64 (rounded back to fp32). Decoding is lossless against that model (int8 weights, 8-bit activations, everything else fp32),
-not against the float weights. This rounds activations per row; llama.cpp rounds them per block of 256 for its
-4-bit dot products.
+fixed order; other models attend in float64 (rounded back to fp32). Decoding is lossless against that model, not
+against the float weights. This rounds activations per row; llama.cpp rounds them per block of 256.
 
 Where the weights are 4-bit already (a GGUF's Q4_K blocks, dequantized: every group of 32 inputs holds at most 16
-values), `four_bit` runs them through eagle_fsd.kernels.int4_rows instead: W_oj = s_og q_oj + m_og per group g of 32
-inputs (q in 0..15, s and m fp16, which re-rounding such a weight keeps as it was up to their fp16 rounding), the
-same 8-bit rows, integer sums per group and a fixed-order fp32 sum over groups, so rows stay independent. Half the
-bytes of int8: on 2 threads of an Intel Xeon with AMX (AVX-512 VNNI used), same shape and probe, weights rotated past
-a 105 MB L3:
+values), `four_bit` runs them through eagle_fsd.kernels.int4_rows: W_oj = s_og q_oj + m_og per group g of 32 inputs
+(q in 0..15, s and m fp16: the GGUF's values up to that rounding), the same 8-bit rows, integer sums per group and a
+fixed-order fp32 sum over groups. The other layers (Q4_K_M keeps some at 6 bits) stay int8, on
+eagle_fsd.kernels.int8_rows (its AVX-512 VNNI build for 8-bit activations, its AVX2 build for 7-bit ones; FBGEMM,
+whose operator costs 40-70 us a call on AVX2, where neither builds). Where a GGUF file is given (WeightFormat.gguf),
+the layers it holds in Q4_K / Q6_K blocks run on those blocks instead (eagle_fsd.gguf_blocks).
 
-    int8 x int8 (FBGEMM)                          1.10 / 1.15 / 1.30 / 1.57
-    int4 x int8 (int4_rows)                       0.59 / 0.58 / 0.90 / 1.72   (VNNI products grow with rows)
-    int4 x int8 (int4_rows, its AVX2 build)       0.54 / 0.91 / 1.69 / 2.94   (same bits, another run)
-
-Layers whose weights are not 4-bit (Q4_K_M keeps some at 6 bits, and the embedding) stay int8 as above; the 4-bit
-ones keep the GGUF's values up to the fp16 rounding of their group scales and minima.
-
-The int8 layers run eagle_fsd.kernels.int8_rows (its AVX-512 VNNI build for 8-bit activations, its AVX2 build for
-7-bit ones), the same formula summed exactly in int32, instead of FBGEMM, whose operator costs 40-70 us a call on
-AVX2 and reads a layer no faster than its weights allow only for large ones; FBGEMM stays where neither build runs.
-2 threads of an AVX2-only AMD EPYC, weights from memory, ms at 1 / 2 / 4 / 5 / 8 rows (benchmarks/row_kernels_probe.py,
-one run):
-
-                                    int8_rows                              FBGEMM
-    256 x 1536 (a v projection)     0.052 / 0.049 / 0.057 / 0.063 / 0.087  0.120 / 0.138 / 0.144 / 0.132 / 0.147
-    1536 x 8960 (a down projection) 0.633 / 0.632 / 0.671 / 0.849 / 1.206  0.728 / 0.766 / 0.810 / 0.980 / 1.300
-
-A drafter needs no such exactness (its rounding only moves acceptance), so its layers round each call's activations
-with one scale, min and max of the whole call (FBGEMM's dynamic linear): one operator instead of six, which on a
-0.5B drafter's few-row forwards is a measurable share of the step.
+A drafter needs no such exactness (its rounding only moves acceptance), so its int8 layers round a call's
+activations with one scale over the whole call (FBGEMM's dynamic linear: one operator instead of six).
 """
 from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +45,7 @@ from eagle_fsd.kernels.int4_rows import (GROUP, LANES, cpu_flags, fits_int4, int
                                          int4_rows_linear, pack_int4, quantize_int4)
 from eagle_fsd.kernels.int8_rows import (int8_rows_available, int8_rows_entry, int8_rows_linear, pack_int8_rows,
                                          quantize_int8)
+from eagle_fsd.gguf_blocks import KQUANT_CODES, KQuantProduct
 from eagle_fsd.prepack import PackedLinear
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -229,11 +207,21 @@ def runs_int4(weight: torch.Tensor, four_bit: bool, requantize: bool) -> bool:
     return weight.shape[1] % GROUP == 0 if requantize else fits_int4(weight)
 
 
+def product_kind(name: str, weight: torch.Tensor, four_bit: bool, requantize: bool, blocks=None) -> str:
+    """What the layer `name` runs on: "q4_k" / "q6_k" where `blocks` (an eagle_fsd.gguf_blocks.GgufBlocks) holds its
+    weight in those blocks, else "int4" where `runs_int4` says so, else "int8"."""
+    kind = None if blocks is None else blocks.kind(name)
+    return kind or ("int4" if runs_int4(weight, four_bit, requantize) else "int8")
+
+
 def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None, per_row: bool = True,
-                 four_bit: bool = False, requantize: bool = False):
-    """An Int4Product where `runs_int4` says so (rows rounded one by one whatever `per_row` says: in C++ that costs
-    nothing), else an Int8Product."""
-    if runs_int4(weight, four_bit, requantize):
+                 four_bit: bool = False, requantize: bool = False, blocks=None, name: str = ""):
+    """A KQuantProduct, Int4Product or Int8Product as `product_kind` says (the first two round rows one by one whatever
+    `per_row` says: in C++ that costs nothing)."""
+    kind = product_kind(name, weight, four_bit, requantize, blocks)
+    if kind in KQUANT_CODES:
+        return KQuantProduct(kind, blocks.raw(name, weight), bias)
+    if kind == "int4":
         return Int4Product(weight, bias)
     return Int8Product(weight, bias, activation_bits, per_row)
 
@@ -260,20 +248,21 @@ class SharedInputProduct:
 
 
 def own_product(product):
-    """The Int4Product / Int8Product behind `product` (a SharedInputProduct's, or itself)."""
+    """The KQuantProduct / Int4Product / Int8Product behind `product` (a SharedInputProduct's, or itself)."""
     return product.product if isinstance(product, SharedInputProduct) else product
 
 
 def kernel_call(product) -> tuple[int, list[torch.Tensor], int] | None:
-    """How eagle_fsd.kernels.decoder_glue.rows_forward calls an Int4Product or int8_rows Int8Product from C++: (the
-    kernel's entry address, [packed, qsum, scale, bias] (empty where unused), groups or chunks); None for a product it
-    cannot call (FBGEMM, or outputs that are not whole blocks of 16 channels)."""
+    """How eagle_fsd.kernels.decoder_glue.rows_forward calls a KQuantProduct, Int4Product or int8_rows Int8Product
+    from C++: (the kernel's entry address, [packed, qsum, scale, bias] (empty where unused), groups or chunks); None
+    for a product it cannot call (FBGEMM, or outputs that are not whole blocks of 16 channels)."""
     empty = torch.empty(0)
     if product.out_features % LANES:
         return None
-    if isinstance(product, Int4Product):
+    if isinstance(product, (KQuantProduct, Int4Product)):
         bias = empty if product.bias is None else product.bias.contiguous()
-        return int4_rows_entry(), [product.packed, empty, empty, bias], product.packed.shape[1]
+        entry = product.entry() if isinstance(product, KQuantProduct) else int4_rows_entry()
+        return entry, [product.packed, empty, empty, bias], product.packed.shape[1]
     if isinstance(product, Int8Product) and product.rows_kernel:
         bias = empty if product.padded_bias is None else product.padded_bias.contiguous()
         tensors = [product.packed, product.qsum, product.scale, bias]
@@ -317,8 +306,15 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers 
 
 
 def product_from_state(state: dict[str, torch.Tensor]):
-    """The Int4Product or Int8Product whose `state()` this is."""
-    return (Int4Product if int(state["info"][0]) == 4 else Int8Product).from_state(state)
+    """The KQuantProduct, Int4Product or Int8Product whose `state()` this is."""
+    code = int(state["info"][0])
+    return {4: Int4Product, 8: Int8Product}.get(code, KQuantProduct).from_state(state)
+
+
+def state_kind(state: dict[str, torch.Tensor]) -> str:
+    """`product_kind`'s name for the product whose `state()` this is."""
+    code = int(state["info"][0])
+    return {4: "int4", 8: "int8"}.get(code) or {c: kind for kind, c in KQUANT_CODES.items()}[code]
 
 
 def stored(store, name: str, shape: torch.Size, build):
@@ -327,20 +323,33 @@ def stored(store, name: str, shape: torch.Size, build):
     return build() if store is None else store.product(name, tuple(shape), build)
 
 
-def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: int | None, per_row: bool = True,
-                  four_bit: bool = False, requantize: bool = False, store=None, prefix: str = "") -> int:
+@dataclass(frozen=True)
+class Rounding:
+    """How the weight step makes a layer's product (`make_product`'s settings): int8 products' activation bits, rows
+    rounded one by one (per_row), int4 where a weight is 4-bit already (four_bit) or wherever it has whole groups
+    (requantize), a GGUF's own blocks where `blocks` (an eagle_fsd.gguf_blocks.GgufBlocks) holds the layer."""
+
+    activation_bits: int | None = None
+    per_row: bool = True
+    four_bit: bool = False
+    requantize: bool = False
+    blocks: object = None
+
+
+def share_product(parent: nn.Module, names: tuple[str, ...], rounding: Rounding, store=None, prefix: str = "") -> int:
     """The linear layers `names` of `parent`, if all there with one input width, become RowQuantLinear columns of
-    SharedInputProducts: one over those that run int4 (`runs_int4`), one over the rest; returns how many. store,
-    prefix: products are kept in / read from `store` as "{prefix}q_proj+k_proj+v_proj" and the like."""
-    layers = [getattr(parent, name, None) for name in names]
+    SharedInputProducts made as `rounding` says, one per `product_kind` among them; returns how many. store, prefix:
+    products are kept in / read from `store` as "{prefix}q_proj+k_proj+v_proj" and the like."""
+    layers, blocks = [getattr(parent, name, None) for name in names], rounding.blocks
     if not all(type(layer) in (nn.Linear, PackedLinear) for layer in layers) \
             or len({layer.in_features for layer in layers}) != 1:
         return 0
     kept = None if store is None else store.kinds(prefix, {name: tuple(layer.weight.shape)
                                                           for name, layer in zip(names, layers)})
-    kinds = [kept[name] for name in names] if kept else [runs_int4(layer.weight, four_bit, requantize)
-                                                          for layer in layers]
-    for kind in set(kinds):
+    kinds = [kept[name] for name in names] if kept else [
+        product_kind(prefix + name, layer.weight, rounding.four_bit, rounding.requantize, blocks)
+        for name, layer in zip(names, layers)]
+    for kind in dict.fromkeys(kinds):
         members = [(name, layer) for name, layer, k in zip(names, layers, kinds) if k == kind]
 
         def build(members=members, kind=kind):
@@ -348,8 +357,12 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
             if any(layer.bias is not None for _, layer in members):
                 biases = torch.cat([layer.bias.detach().float() if layer.bias is not None
                                     else torch.zeros(layer.out_features) for _, layer in members])
+            if kind in KQUANT_CODES:  # a GGUF's rows are independent: siblings' blocks stack
+                return KQuantProduct(kind, torch.cat([blocks.raw(prefix + name, layer.weight)
+                                                      for name, layer in members]), biases)
             weight = torch.cat([layer.weight.detach() for _, layer in members])
-            return Int4Product(weight, biases) if kind else Int8Product(weight, biases, activation_bits, per_row)
+            return Int4Product(weight, biases) if kind == "int4" else \
+                Int8Product(weight, biases, rounding.activation_bits, rounding.per_row)
 
         shape = (sum(layer.out_features for _, layer in members), members[0][1].in_features)
         name = prefix + "+".join(name for name, _ in members)
@@ -363,12 +376,22 @@ def share_product(parent: nn.Module, names: tuple[str, ...], activation_bits: in
     return len(layers)
 
 
-def int4_share(model: nn.Module) -> float:
-    """The fraction of a quantized model's linear weights that run 4-bit (the rest int8); 0 for any other model."""
+def weight_share(model: nn.Module, counts) -> float:
+    """The fraction of a quantized model's linear weights in products for which `counts(product)` holds (0: none)."""
     products = {id(m.product): m.product for m in model.modules() if isinstance(m, RowQuantLinear)}.values()
     inner = [own_product(p) for p in products]
     total = sum(p.out_features * p.in_features for p in inner)
-    return sum(p.out_features * p.in_features for p in inner if isinstance(p, Int4Product)) / total if total else 0.0
+    return sum(p.out_features * p.in_features for p in inner if counts(p)) / total if total else 0.0
+
+
+def int4_share(model: nn.Module) -> float:
+    """The fraction of a quantized model's linear weights that run 4-bit (int4 or a GGUF's Q4_K blocks)."""
+    return weight_share(model, lambda p: isinstance(p, Int4Product) or getattr(p, "kind", "") == "q4_k")
+
+
+def gguf_share(model: nn.Module) -> float:
+    """The fraction of a quantized model's linear weights that run on a GGUF's own blocks (KQuantProduct)."""
+    return weight_share(model, lambda p: isinstance(p, KQuantProduct))
 
 
 def runs_int8_rows(model: nn.Module) -> bool:

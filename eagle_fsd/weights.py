@@ -16,10 +16,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from eagle_fsd.gguf_blocks import GgufBlocks
+from eagle_fsd.kernels.kquant_rows import kquant_rows_available
 from eagle_fsd.plan import WeightFormat
 from eagle_fsd.prepack import PackedLinear
 from eagle_fsd.quant import QuantLinear, int4_fits, quant_supported
-from eagle_fsd.target_quant import (SIBLINGS, RowQuantLinear, checked_activation_bits, int4_rows_available,
+from eagle_fsd.target_quant import (SIBLINGS, Rounding, RowQuantLinear, checked_activation_bits, int4_rows_available,
                                     make_product, row_int8_supported, share_product, stored)
 
 PREPACKED = WeightFormat("prepacked")
@@ -68,20 +70,23 @@ def swap_weight_only(model: nn.Module, bits: int) -> int:
 
 
 def swap_rows(model: nn.Module, fmt: WeightFormat, store=None) -> int:
-    """RowQuantLinear everywhere (eagle_fsd.target_quant), siblings sharing a product; every other parameter fp32."""
+    """RowQuantLinear everywhere (eagle_fsd.target_quant), siblings sharing a product; every other parameter fp32.
+    With `fmt.gguf`, the layers whose weights that file holds in Q4_K / Q6_K blocks run on those blocks where the
+    kernel builds here (eagle_fsd.gguf_blocks)."""
     if not row_int8_supported(next(model.parameters()).device):
         raise ValueError(f"target_quant int8 needs a CPU model and PyTorch's FBGEMM int8 linear; this PyTorch "
                          f"{torch.__version__} or device lacks it. Use target_quant 'off'")
     bits = checked_activation_bits(fmt.activation_bits)
     four_bit = fmt.four_bit and int4_rows_available()
+    blocks = GgufBlocks(fmt.gguf) if fmt.gguf and kquant_rows_available() else None
+    rounding = Rounding(bits, fmt.exact, four_bit, fmt.requantize, blocks)
 
     def share(parent, prefix):
-        return sum(share_product(parent, names, bits, fmt.exact, four_bit, fmt.requantize, store, prefix)
-                   for names in SIBLINGS)
+        return sum(share_product(parent, names, rounding, store, prefix) for names in SIBLINGS)
 
     def layer_for(name, linear):
         product = stored(store, name, linear.weight.shape, lambda: make_product(
-            linear.weight, linear.bias, bits, fmt.exact, four_bit, fmt.requantize))
+            linear.weight, linear.bias, bits, fmt.exact, four_bit, fmt.requantize, blocks, name))
         return RowQuantLinear.from_weight(linear.weight, linear.bias, product=product)
 
     swapped = swap_linears(model, layer_for, share)

@@ -30,6 +30,7 @@ LAYER_OF = {
     "eagle_fsd.prepack": "weights",
     "eagle_fsd.quant": "weights",
     "eagle_fsd.target_quant": "weights",
+    "eagle_fsd.gguf_blocks": "weights",  # a GGUF's own blocks as target products
     "eagle_fsd.plan": "weights",  # the run plan: how a model runs, decided once
     "eagle_fsd.weights": "weights",  # the one weight-format step
     "eagle_fsd.attention": "drafting",

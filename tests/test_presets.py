@@ -175,6 +175,7 @@ def test_fetch_assembles_converts_and_caches(cache, monkeypatch):
     marker = json.loads((path / presets.MARKER).read_text())
     assert marker["sha256"] == make_preset().sha256 and marker["dtype"] == "float32"
     assert presets.is_fetched(FAKE)
+    assert presets.gguf_path(FAKE).read_bytes() == FAKE_GGUF  # the checked GGUF is kept (the target's blocks)
     # Sources and temp folders are gone after success.
     assert not (cache / "wheels" / FAKE).exists()
     assert leftovers(cache, "tmp") == []

@@ -150,8 +150,8 @@ def test_kinds_of_siblings_come_from_their_saved_products(tmp_path):
     store.save()
     store = ProductStore(tmp_path / "products.safetensors")
     shapes = {"q_proj": (32, 64), "k_proj": (16, 64), "v_proj": (16, 64)}
-    assert store.kinds("layers.0.attn.", shapes) == {"q_proj": False, "k_proj": False,
-                                                     "v_proj": int4_rows_available()}
+    assert store.kinds("layers.0.attn.", shapes) == {"q_proj": "int8", "k_proj": "int8",
+                                                     "v_proj": "int4" if int4_rows_available() else "int8"}
     assert store.kinds("layers.1.", shapes) is None  # layers.10 is another module
     assert store.kinds("layers.0.attn.", {**shapes, "q_proj": (24, 64)}) is None  # another shape
     assert store.kinds("layers.0.attn.", {**shapes, "o_proj": (64, 64)}) is None  # o_proj not saved

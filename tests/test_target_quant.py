@@ -297,7 +297,7 @@ def test_settings_and_exactness_name_the_quantized_model():
     with pytest.raises(SystemExit):
         p.parse_args(["--target-quant", "int2"])
     text = exactness(torch.float32, target_quantized=True)
-    assert "quantized target" in text and "int4 where they are 4-bit" in text and "--target-quant off" in text
+    assert "quantized target" in text and "Q4_K / Q6_K blocks" in text and "--target-quant off" in text
 
 
 def test_smollm2_with_its_head_on_an_int8_target():
@@ -318,14 +318,14 @@ def test_siblings_share_one_product_with_unchanged_results():
     """q/k/v (with Qwen2's biases) and gate/up become columns of one product each, called once per input; each
     layer's output is bit for bit its own RowQuantLinear's, and another input (or one changed in place) is
     recomputed, not served from the last call."""
-    from eagle_fsd.target_quant import SharedInputProduct, share_product
+    from eagle_fsd.target_quant import Rounding, SharedInputProduct, share_product
     model = tiny_model("qwen2", seed=7)
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     alone = {name: RowQuantLinear.from_linear(getattr(attention, name)) for name in ("q_proj", "k_proj", "v_proj")}
     alone |= {name: RowQuantLinear.from_linear(getattr(mlp, name)) for name in ("gate_proj", "up_proj")}
-    assert share_product(attention, ("q_proj", "k_proj", "v_proj"), None) == 3
-    assert share_product(mlp, ("gate_proj", "up_proj"), None) == 2
-    assert share_product(mlp, ("gate_proj", "up_proj"), None) == 0  # already shared
+    assert share_product(attention, ("q_proj", "k_proj", "v_proj"), Rounding()) == 3
+    assert share_product(mlp, ("gate_proj", "up_proj"), Rounding()) == 2
+    assert share_product(mlp, ("gate_proj", "up_proj"), Rounding()) == 0  # already shared
     assert isinstance(attention.k_proj.product, SharedInputProduct) and attention.k_proj.product is attention.q_proj.product
     g = torch.Generator().manual_seed(2)
     for rows in (1, 6):

