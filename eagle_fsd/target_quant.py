@@ -214,8 +214,8 @@ def product_kind(name: str, weight: torch.Tensor, four_bit: bool, requantize: bo
     return kind or ("int4" if runs_int4(weight, four_bit, requantize) else "int8")
 
 
-def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None, per_row: bool = True,
-                 four_bit: bool = False, requantize: bool = False, blocks=None, name: str = ""):
+def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
+                 per_row: bool = True, four_bit: bool = False, requantize: bool = False, blocks=None, name: str = ""):
     """A KQuantProduct, Int4Product or Int8Product as `product_kind` says (the first two round rows one by one whatever
     `per_row` says: in C++ that costs nothing)."""
     kind = product_kind(name, weight, four_bit, requantize, blocks)

@@ -9,14 +9,12 @@ from torch import nn
 from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.gguf_blocks import GgufBlocks, KQuantProduct, gguf_tensor_name
 from eagle_fsd.kernels import kquant_rows as kq
-from eagle_fsd.loading import model_run, plan_for
-from eagle_fsd.model import EaFsdModel
+from eagle_fsd.loading import model_run
 from eagle_fsd.plan import WeightFormat
 from eagle_fsd.product_store import ProductStore, settings_of
 from eagle_fsd.target_quant import Int8Product, RowQuantLinear, gguf_share, int4_share, own_product
-from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.weights import format_weights
-from tiny import hf_greedy, tiny_model
+from tiny import assert_speculation_is_plain_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not kq.kquant_rows_available(), reason="needs AVX-512 VNNI or AVX2 and a C++ compiler")
 SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -140,14 +138,7 @@ def test_engine_is_lossless_on_a_gguf_block_target(tmp_path, shape):
     fmt = WeightFormat("rows", four_bit=True, gguf=str(path))
     format_weights(target, fmt)
     assert gguf_share(target) == 1.0
-    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
-    drafter = LMDrafter(draft, 1008)
-    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(*shape), (fmt, None)))
-    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
-    plain = hf_greedy(target, ids, 30)
-    assert torch.equal(out.sequences, plain)
-    assert torch.equal(model.naive_generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
-    assert out.tau > 1.2
+    assert assert_speculation_is_plain_greedy(target, LMDrafter(draft, 1008), fmt, shape).tau > 1.2
 
 
 def test_the_int8_fallback_stays_where_the_file_has_no_blocks(tmp_path):

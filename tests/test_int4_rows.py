@@ -9,14 +9,12 @@ from torch import nn
 
 from eagle_fsd.drafting import LMDrafter
 from eagle_fsd.kernels import int4_rows as k4
-from eagle_fsd.loading import model_run, plan_for
-from eagle_fsd.model import EaFsdModel
+from eagle_fsd.loading import model_run
 from eagle_fsd.plan import WeightFormat
 from eagle_fsd.target_quant import (Int4Product, Int8Product, RowQuantLinear, SharedInputProduct, int4_share,
                                     own_product)
-from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.weights import format_weights
-from tiny import hf_greedy, tiny_model
+from tiny import assert_speculation_is_plain_greedy, tiny_model
 
 pytestmark = pytest.mark.skipif(not k4.int4_rows_available(), reason="needs AVX-512 VNNI or AVX2 and a C++ compiler")
 ISAS = k4.runnable_isas(k4.cpu_flags(), "")  # every build this CPU runs, uncapped
@@ -151,14 +149,7 @@ def test_engine_is_lossless_against_a_four_bit_target(shape):
             p.add_(0.003 * torch.randn_like(p))
     format_weights(target, FOUR_BIT)
     assert int4_share(target) > 0.5
-    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
-    drafter = LMDrafter(draft, 1000)
-    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(*shape), (FOUR_BIT, None)))
-    out = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
-    plain = hf_greedy(target, ids, 30)
-    assert torch.equal(out.sequences, plain)
-    assert torch.equal(model.naive_generate(ids, max_new_tokens=30, eos_token_id=[]), plain)
-    assert out.tau > 1.2
+    assert assert_speculation_is_plain_greedy(target, LMDrafter(draft, 1000), FOUR_BIT, shape).tau > 1.2
 
 
 def test_requantize_rounds_every_layer_to_int4():

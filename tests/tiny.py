@@ -27,6 +27,23 @@ def hf_greedy(model, ids, n):
                           pad_token_id=0)
 
 
+def assert_speculation_is_plain_greedy(target, drafter, fmt, shape, n: int = 30):
+    """Greedy speculation on `target` (its weights in format `fmt`) drafted by `drafter` with tree `shape` equals plain
+    greedy decoding of that target (HF generate: prefill, then one row per step), through generate and naive_generate;
+    returns generate's output."""
+    from eagle_fsd.loading import plan_for
+    from eagle_fsd.model import EaFsdModel
+    from eagle_fsd.tree.shape import TreeShape
+
+    ids = torch.randint(0, 1000, (1, 10), generator=torch.Generator().manual_seed(3))
+    model = EaFsdModel(target, None, drafter, plan=plan_for(target, drafter, TreeShape(*shape), (fmt, None)))
+    out = model.generate(ids, max_new_tokens=n, eos_token_id=[], return_dict=True)
+    plain = hf_greedy(target, ids, n)
+    assert torch.equal(out.sequences, plain)
+    assert torch.equal(model.naive_generate(ids, max_new_tokens=n, eos_token_id=[]), plain)
+    return out
+
+
 def machine_clocks(share: float):
     """Clocks (wall, CPU of this process) of a machine on which our threads get `share` of their CPU time
     (1: a quiet machine), for eagle_fsd.tune.trust.TimingWatch."""
