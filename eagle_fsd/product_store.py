@@ -21,7 +21,7 @@ from eagle_fsd.plan import WeightFormat
 from eagle_fsd.target_quant import product_from_state, state_kind
 from eagle_fsd.weights import format_weights
 
-STORE_VERSION = 3  # the products' layouts (pack_int4, pack_int8_rows, kquant_rows.pack, state()); bump when one changes
+STORE_VERSION = 3  # the products' layouts (pack_int4, pack_int8_rows, kquant_rows.pack, state()); bump on a change
 WEIGHT_FILES = (".safetensors", ".bin", ".json")  # what a model folder's weights (and their shapes) live in
 
 
@@ -78,9 +78,9 @@ class ProductStore:
         return product
 
     def kinds(self, prefix: str, shapes: dict[str, tuple[int, int]]) -> dict[str, str] | None:
-        """{layer: its product's kind (target_quant.product_kind)} for sibling layers (`shapes`: name -> weight shape) whose products are all saved, as
-        columns of products named "{prefix}a+b" over exactly these layers and shapes; else None. (Which siblings are
-        4-bit already takes a scan of their weights; the saved products tell it.)"""
+        """{layer: its product's kind (target_quant.product_kind)} for sibling layers (`shapes`: name -> weight shape)
+        whose products are all saved, as columns of products named "{prefix}a+b" over exactly these layers and shapes;
+        else None. (Which siblings are 4-bit already takes a scan of their weights; the saved products tell it.)"""
         found = {}
         for name, state in self.saved.items():
             members = name[len(prefix):].split("+") if name.startswith(prefix) else []

@@ -12,8 +12,9 @@ The result is cached per machine in ``<cache>/models/<name>/`` (``cache_dir()``)
 built in a temporary folder inside the cache and renamed into place only once it has been
 verified (build.py), so an interrupted fetch never leaves something that looks fetched.
 
-Modules: registry (the table, cache layout, default drafters), wheels, convert, build (``fetch``, ``fetch_gguf``, ``gguf_path``: the preset's own GGUF, for llama.cpp and the quantized target), hub
-(``resolve_model``: preset, directory or hub id), cli (``eagle-fsd models``). The public names are re-exported here.
+Modules: registry (the table, cache layout, default drafters), wheels, convert, build (``fetch``, ``fetch_gguf``,
+``gguf_path``: the preset's own GGUF, for llama.cpp and the quantized target), hub (``resolve_model``: preset,
+directory or hub id), cli (``eagle-fsd models``). The public names are re-exported here.
 """
 
 from eagle_fsd.files import cache_dir, sha256_file
