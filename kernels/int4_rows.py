@@ -47,17 +47,23 @@ def runnable_isas(flags: set[str], capability: str) -> list[str]:
     return [isa for isa, (needs, _) in ISA_FLAGS.items() if isa in allowed and set(needs) <= flags]
 
 
-@functools.cache
-def int4_rows_isa() -> str | None:
-    """The build this machine runs: the best one its CPU allows (`runnable_isas`), if it compiles here; else None."""
-    isas = runnable_isas(cpu_flags(), torch.backends.cpu.get_cpu_capability())
+def building_isa(flags: set[str], build) -> str | None:
+    """The best build CPU `flags` and torch's capability allow (`runnable_isas`), if `build(isa)` compiles here (a
+    kernel's extension loader); else None."""
+    isas = runnable_isas(flags, torch.backends.cpu.get_cpu_capability())
     if not isas:
         return None
     try:
-        _extension(isas[0])
-    except Exception:  # no compiler, no ninja, headers missing: the int8 path stays
+        build(isas[0])
+    except Exception:  # no compiler, no ninja, headers missing: the caller's fallback stays
         return None
     return isas[0]
+
+
+@functools.cache
+def int4_rows_isa() -> str | None:
+    """The build this machine runs: the best one its CPU allows, if it compiles here; else None (the int8 path)."""
+    return building_isa(cpu_flags(), _extension)
 
 
 def int4_rows_available() -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .cpp_build import load_extension
-from .int4_rows import ISA_FLAGS, cpu_flags, round_rows, runnable_isas
+from .int4_rows import ISA_FLAGS, building_isa, cpu_flags, round_rows
 
 KINDS = ("q4_k", "q6_k")
 SUPER = 256  # inputs per super-block
@@ -161,14 +161,7 @@ def _extension(isa: str):
 def kquant_rows_isa() -> str | None:
     """The build this machine runs, chosen as int4_rows_isa chooses (the best one the CPU and torch's capability
     allow), if it compiles here; else None."""
-    isas = runnable_isas(cpu_flags(), torch.backends.cpu.get_cpu_capability())
-    if not isas:
-        return None
-    try:
-        _extension(isas[0])
-    except Exception:  # no compiler, no ninja, headers missing
-        return None
-    return isas[0]
+    return building_isa(cpu_flags(), _extension)
 
 
 def kquant_rows_available() -> bool:
