@@ -21,13 +21,22 @@ from pathlib import Path
 import torch
 
 from eagle_fsd.kernels.kquant_rows import (BLOCK_BYTES, GGML_TYPES, SUPER, dequantize, kquant_rows_entry,
-                                           kquant_rows_linear, pack)
+                                           kquant_rows_isa, kquant_rows_linear, pack)
 
 KQUANT_CODES = {"q4_k": 14, "q6_k": 16}  # a product state's info[0] (4 and 8 are int4 and int8)
 LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down"}  # transformers' Llama / Qwen2 module -> llama.cpp's tensor
 CHECKED_ROWS = 64  # rows of each tensor compared with the loaded weight
+# The kernel builds on which the blocks beat rounding again. The AVX2 build is compute-bound at 3-8 rows: 1.14-1.42x
+# int4_rows' / int8_rows' AVX2 time there, 0.85-1.01x at one row (benchmarks/kquant_kernels_ab.py avx2, an AVX-512
+# EPYC), so a tree's verification would cost more than the bytes save.
+PAYING_BUILDS = ("avx512_vnni",)
+
+
+def blocks_pay() -> bool:
+    """The kernel build this machine runs is one on which a GGUF's blocks measured faster (PAYING_BUILDS)."""
+    return kquant_rows_isa() in PAYING_BUILDS
 
 
 def gguf_tensor_name(module_name: str) -> str | None:

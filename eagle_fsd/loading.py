@@ -17,6 +17,7 @@ from eagle_fsd.attention import ATTENTION_NAME, check_backend
 from eagle_fsd.drafting import DRAFTERS, holds_eagle_fc, is_eagle3, read_head_config
 from eagle_fsd.dtypes import torch_dtype
 from eagle_fsd.fused_decoder import fused_fits
+from eagle_fsd.gguf_blocks import blocks_pay
 from eagle_fsd.plan import ModelRun, RunPlan, WeightFormat
 from eagle_fsd.prepack import PackedLinear
 from eagle_fsd.product_store import format_cached
@@ -90,9 +91,9 @@ def load_pretrained(cls, base_model: str, drafter: tuple = (None, None), tree: t
 def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwargs: dict, gguf: Path | None = None):
     """(target, tokenizer, its WeightFormat): loaded in the dtype "auto" resolves to, its linear layers in the
     format chosen for it; a quantized one on the Q4_K / Q6_K blocks of `gguf` (the GGUF it was converted from) where
-    that file is given. A target to be quantized loads as stored (its products are rounded from the checkpoint's own
-    weights; a bf16 checkpoint then maps in a second where converting it to fp32 takes half a minute); the weight
-    step makes every other parameter fp32."""
+    that file is given and the blocks' kernel pays on this CPU (`blocks_pay`). A target to be quantized loads as
+    stored (its products are rounded from the checkpoint's own weights; a bf16 checkpoint then maps in a second where
+    converting it to fp32 takes half a minute); the weight step makes every other parameter fp32."""
     config = AutoConfig.from_pretrained(path)
     run_dtype = resolve_dtype(options.dtype, options.device_map, config, options.prepack)
     run_dtype = torch_dtype(run_dtype) if isinstance(run_dtype, str) else run_dtype
@@ -102,7 +103,7 @@ def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwar
     target, tokenizer = load_target(path, load_dtype, options.device_map, hf_kwargs)
     if target_bits:
         fmt = WeightFormat("rows", activation_bits=activation_bits(cpu_flags()), four_bit=target_bits == 4,
-                           gguf=None if gguf is None or target_bits != 4 else str(gguf))
+                           gguf=str(gguf) if gguf is not None and target_bits == 4 and blocks_pay() else None)
     else:
         fmt = PREPACKED if resolve_prepack(options.prepack, target) else WeightFormat()
     format_cached(target, fmt)
