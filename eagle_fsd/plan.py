@@ -31,7 +31,8 @@ class WeightFormat:
     rows       int8 x int8 with activations rounded to `activation_bits` (eagle_fsd.target_quant); `four_bit`: the
                layers that are 4-bit already run int4 x int8 (with `requantize`, every layer of whole groups);
                `exact`: activations rounded row by row (a target), else once per call (a drafter); `gguf`: a GGUF
-               file whose Q4_K / Q6_K blocks the layers it holds run on as they are (eagle_fsd.gguf_blocks)"""
+               file whose Q4_K / Q6_K blocks the layers it holds run on as they are (eagle_fsd.gguf_blocks);
+               `int4_group`: inputs per 4-bit scale where they divide a row (else 32; a drafter's may be coarser)"""
 
     kind: str = "float"
     activation_bits: int | None = None  # None: this CPU's (eagle_fsd.target_quant.cpu_activation_bits)
@@ -39,6 +40,7 @@ class WeightFormat:
     requantize: bool = False
     exact: bool = True
     gguf: str | None = None
+    int4_group: int = 32
 
     def __post_init__(self):
         if self.kind not in WEIGHT_KINDS:
@@ -90,7 +92,8 @@ class ModelRun:
         if kind == "rows":
             if self.gguf_share:
                 return f"GGUF Q4_K / Q6_K blocks x int8 ({self.gguf_share:.0%} of weights, {self.int4_share:.0%} 4-bit)"
-            share = f"int4 x int8 ({self.int4_share:.0%} of weights), " if self.int4_share else ""
+            group = f", groups of {self.weights.int4_group}" if self.weights.int4_group != 32 else ""
+            share = f"int4 x int8 ({self.int4_share:.0%} of weights{group}), " if self.int4_share else ""
             return f"{share}int8 x int8"
         return {"float": "as loaded", "prepacked": "as loaded, prepacked"}.get(kind, kind)
 
@@ -104,6 +107,8 @@ class ModelRun:
             key["int8_kernel"] = "int8_rows" if self.int8_rows else "fbgemm"
             if self.gguf_share:
                 key["gguf_share"] = round(self.gguf_share, 2)
+            if self.int4_share and self.weights.int4_group != 32:
+                key["int4_group"] = self.weights.int4_group
         if self.fused:
             key["fused"] = True
         return key

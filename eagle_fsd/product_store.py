@@ -127,7 +127,7 @@ def settings_of(fmt: WeightFormat) -> dict:
     """The settings a `rows` format's products depend on."""
     gguf = None if fmt.gguf is None else Path(fmt.gguf)
     return {"activation_bits": fmt.activation_bits, "exact": fmt.exact, "four_bit": fmt.four_bit,
-            "requantize": fmt.requantize,
+            "requantize": fmt.requantize, "int4_group": fmt.int4_group,
             "gguf": None if gguf is None else [str(gguf.resolve()), gguf.stat().st_size, gguf.stat().st_mtime_ns]}
 
 

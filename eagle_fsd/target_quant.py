@@ -28,8 +28,8 @@ eagle_fsd.kernels.int8_rows (its AVX-512 VNNI build for 8-bit activations, its A
 whose operator costs 40-70 us a call on AVX2, where neither builds). Where a GGUF file is given (WeightFormat.gguf),
 the layers it holds in Q4_K / Q6_K blocks run on those blocks instead (eagle_fsd.gguf_blocks).
 
-A drafter needs no such exactness (its rounding only moves acceptance), so its int8 layers round a call's
-activations with one scale over the whole call (FBGEMM's dynamic linear: one operator instead of six).
+A drafter needs no such exactness (its rounding only moves acceptance): its int8 layers round a call's activations
+with one scale over the whole call (FBGEMM's dynamic linear), its int4 groups may be coarser (Rounding.int4_group).
 """
 from __future__ import annotations
 
@@ -171,14 +171,17 @@ class Int8Product:
 class Int4Product:
     """x -> x W^T + b in fp32 through W rounded to 4 bits per group of 32 inputs (scale and minimum in fp16) and each
     row of x rounded to 8 bits with its own scale (eagle_fsd.kernels.int4_rows). For weights that are 4-bit already
-    (a GGUF's Q4 blocks, dequantized: `fits_int4`); rows independent as in Int8Product."""
+    (a GGUF's Q4 blocks, dequantized: `fits_int4`); rows independent as in Int8Product. `group`: inputs per scale
+    where they divide the row (a drafter's coarser groups: fewer bytes a forward), else 32."""
 
     activation_bits, per_row = 8, True
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = GROUP):
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_int4(*quantize_int4(weight))
+        self.packed = pack_int4(*quantize_int4(weight, group if self.in_features % group == 0 else GROUP))
         self.bias = None if bias is None else bias.detach().float()
+
+    group = property(lambda self: self.in_features // self.packed.shape[1])
 
     def state(self) -> dict[str, torch.Tensor]:
         """The packed codes, bias and `info` = (4, out, in, 8, 1, 0), from which `from_state` rebuilds this product."""
@@ -199,31 +202,29 @@ class Int4Product:
 
 
 def runs_int4(weight: torch.Tensor, four_bit: bool, requantize: bool) -> bool:
-    """Whether a weight runs the int4 kernel: `four_bit` asks for it, this CPU has the kernel (AVX-512 VNNI or AVX2;
-    its activations are 8-bit on both, whatever the int8 layers use), and the weight is 4-bit already or, with
-    `requantize`, may be rounded to 4 bits (whole groups)."""
+    """Whether a weight runs the int4 kernel (8-bit activations on AVX-512 VNNI and AVX2): `four_bit` asks for it, this
+    CPU has it, and the weight is 4-bit already or, with `requantize`, may be rounded to 4 bits (whole groups)."""
     if not (four_bit and int4_rows_available()):
         return False
     return weight.shape[1] % GROUP == 0 if requantize else fits_int4(weight)
 
 
-def product_kind(name: str, weight: torch.Tensor, four_bit: bool, requantize: bool, blocks=None) -> str:
-    """What the layer `name` runs on: "q4_k" / "q6_k" where `blocks` (an eagle_fsd.gguf_blocks.GgufBlocks) holds its
-    weight in those blocks, else "int4" where `runs_int4` says so, else "int8"."""
-    kind = None if blocks is None else blocks.kind(name)
-    return kind or ("int4" if runs_int4(weight, four_bit, requantize) else "int8")
+def product_kind(name: str, weight: torch.Tensor, rounding: Rounding) -> str:
+    """What the layer `name` runs on: "q4_k" / "q6_k" where `rounding.blocks` (an eagle_fsd.gguf_blocks.GgufBlocks)
+    holds its weight in those blocks, else "int4" where `runs_int4` says so, else "int8"."""
+    kind = None if rounding.blocks is None else rounding.blocks.kind(name)
+    return kind or ("int4" if runs_int4(weight, rounding.four_bit, rounding.requantize) else "int8")
 
 
-def make_product(weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
-                 per_row: bool = True, four_bit: bool = False, requantize: bool = False, blocks=None, name: str = ""):
-    """A KQuantProduct, Int4Product or Int8Product as `product_kind` says (the first two round rows one by one whatever
-    `per_row` says: in C++ that costs nothing)."""
-    kind = product_kind(name, weight, four_bit, requantize, blocks)
+def make_product(weight: torch.Tensor, bias: torch.Tensor | None, rounding: Rounding, name: str = "", kind=None):
+    """A KQuantProduct, Int4Product or Int8Product as `kind` (default: `product_kind`) says (the first two round rows
+    one by one whatever `rounding.per_row` says: in C++ that costs nothing)."""
+    kind = kind or product_kind(name, weight, rounding)
     if kind in KQUANT_CODES:
-        return KQuantProduct(kind, blocks.raw(name, weight), bias)
+        return KQuantProduct(kind, rounding.blocks.raw(name, weight), bias)
     if kind == "int4":
-        return Int4Product(weight, bias)
-    return Int8Product(weight, bias, activation_bits, per_row)
+        return Int4Product(weight, bias, rounding.int4_group)
+    return Int8Product(weight, bias, rounding.activation_bits, rounding.per_row)
 
 
 class SharedInputProduct:
@@ -277,22 +278,21 @@ class RowQuantLinear(nn.Linear):
     CPU only."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_bits: int | None = None, per_row: bool = True,
-                    four_bit: bool = False, requantize: bool = False) -> RowQuantLinear:
-        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row, four_bit=four_bit,
-                               requantize=requantize)  # shared, not copied
+    def from_linear(cls, linear: nn.Linear, activation_bits: int | None = None, per_row: bool = True) -> RowQuantLinear:
+        return cls.from_weight(linear.weight, linear.bias, activation_bits, per_row=per_row)  # shared, not copied
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_bits: int | None = None,
                     product=None, columns: slice | None = None, per_row: bool = True,
-                    four_bit: bool = False, requantize: bool = False) -> RowQuantLinear:
-        """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own."""
+                    rounding: Rounding | None = None) -> RowQuantLinear:
+        """A layer over `weight`; with `product`, the `columns` of that (shared) product instead of its own, else its
+        own made as `rounding` says (default: int8 with `activation_bits`, `per_row`)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.out_features, layer.in_features = weight.shape
         layer.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         layer.bias = bias
-        layer.product = product or make_product(weight, bias, activation_bits, per_row, four_bit, requantize)
+        layer.product = product or make_product(weight, bias, rounding or Rounding(activation_bits, per_row))
         layer.columns = columns
         layer.activation_bits = layer.product.activation_bits
         return layer
@@ -327,13 +327,15 @@ def stored(store, name: str, shape: torch.Size, build):
 class Rounding:
     """How the weight step makes a layer's product (`make_product`'s settings): int8 products' activation bits, rows
     rounded one by one (per_row), int4 where a weight is 4-bit already (four_bit) or wherever it has whole groups
-    (requantize), a GGUF's own blocks where `blocks` (an eagle_fsd.gguf_blocks.GgufBlocks) holds the layer."""
+    (requantize) in groups of `int4_group` inputs, a GGUF's own blocks where `blocks` (an
+    eagle_fsd.gguf_blocks.GgufBlocks) holds the layer."""
 
     activation_bits: int | None = None
     per_row: bool = True
     four_bit: bool = False
     requantize: bool = False
     blocks: object = None
+    int4_group: int = GROUP
 
 
 def share_product(parent: nn.Module, names: tuple[str, ...], rounding: Rounding, store=None, prefix: str = "") -> int:
@@ -347,8 +349,7 @@ def share_product(parent: nn.Module, names: tuple[str, ...], rounding: Rounding,
     kept = None if store is None else store.kinds(prefix, {name: tuple(layer.weight.shape)
                                                           for name, layer in zip(names, layers)})
     kinds = [kept[name] for name in names] if kept else [
-        product_kind(prefix + name, layer.weight, rounding.four_bit, rounding.requantize, blocks)
-        for name, layer in zip(names, layers)]
+        product_kind(prefix + name, layer.weight, rounding) for name, layer in zip(names, layers)]
     for kind in dict.fromkeys(kinds):
         members = [(name, layer) for name, layer, k in zip(names, layers, kinds) if k == kind]
 
@@ -360,9 +361,8 @@ def share_product(parent: nn.Module, names: tuple[str, ...], rounding: Rounding,
             if kind in KQUANT_CODES:  # a GGUF's rows are independent: siblings' blocks stack
                 return KQuantProduct(kind, torch.cat([blocks.raw(prefix + name, layer.weight)
                                                       for name, layer in members]), biases)
-            weight = torch.cat([layer.weight.detach() for _, layer in members])
-            return Int4Product(weight, biases) if kind == "int4" else \
-                Int8Product(weight, biases, rounding.activation_bits, rounding.per_row)
+            return make_product(torch.cat([layer.weight.detach() for _, layer in members]), biases, rounding,
+                                kind=kind)
 
         shape = (sum(layer.out_features for _, layer in members), members[0][1].in_features)
         name = prefix + "+".join(name for name, _ in members)

@@ -79,14 +79,14 @@ def swap_rows(model: nn.Module, fmt: WeightFormat, store=None) -> int:
     bits = checked_activation_bits(fmt.activation_bits)
     four_bit = fmt.four_bit and int4_rows_available()
     blocks = GgufBlocks(fmt.gguf) if fmt.gguf and kquant_rows_available() else None
-    rounding = Rounding(bits, fmt.exact, four_bit, fmt.requantize, blocks)
+    rounding = Rounding(bits, fmt.exact, four_bit, fmt.requantize, blocks, fmt.int4_group)
 
     def share(parent, prefix):
         return sum(share_product(parent, names, rounding, store, prefix) for names in SIBLINGS)
 
     def layer_for(name, linear):
         product = stored(store, name, linear.weight.shape, lambda: make_product(
-            linear.weight, linear.bias, bits, fmt.exact, four_bit, fmt.requantize, blocks, name))
+            linear.weight, linear.bias, rounding, name))
         return RowQuantLinear.from_weight(linear.weight, linear.bias, product=product)
 
     swapped = swap_linears(model, layer_for, share)

@@ -87,11 +87,13 @@ def _at_most_16_values(groups: torch.Tensor) -> bool:
     return bool((distinct <= LEVELS + 1).all())
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W (n, k) -> codes q (n, k) uint8 in 0..15, scales s and minima m (n, k / 32) fp16 with W ~ s q + m per group:
-    m the group's minimum, s its range / 15."""
+def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W (n, k) -> codes q (n, k) uint8 in 0..15, scales s and minima m (n, k / group) fp16 with W ~ s q + m per group
+    of `group` inputs (32, or a multiple of 32: fewer bytes, coarser): m the group's minimum, s its range / 15."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    if group % GROUP or k % group:
+        raise ValueError(f"int4 group {group} must be a multiple of {GROUP} dividing the {k} inputs")
+    w = weight.detach().float().reshape(n, k // group, group)
     low, high = w.amin(2), w.amax(2)
     m = low.half()
     s = ((high - low) / LEVELS).half().float().clamp(min=2.0 ** -24).half()
@@ -100,24 +102,27 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def dequantize_int4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """s q + m in float64, (n, k)."""
+    """s q + m in float64, (n, k), per group of k / s.shape[1] inputs."""
     n, k = q.shape
-    w = q.double().reshape(n, k // GROUP, GROUP) * s.double().unsqueeze(2) + m.double().unsqueeze(2)
+    groups = s.shape[1]
+    w = q.double().reshape(n, groups, k // groups) * s.double().unsqueeze(2) + m.double().unsqueeze(2)
     return w.reshape(n, k)
 
 
 def pack_int4(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Codes and scales in the kernel's layout (int4_rows.cpp): (ceil(n / 16), k / 32, 320) uint8; channels past n
-    are zero."""
+    """Codes and scales in the kernel's layout (int4_rows.cpp): (ceil(n / 16), groups, 8 group + 64) uint8 for groups
+    of group = k / s.shape[1] inputs (320 bytes at 32); channels past n are zero."""
     n, k = q.shape
-    blocks, groups = -(-n // LANES), k // GROUP
+    blocks, groups = -(-n // LANES), s.shape[1]
+    parts = k // groups // GROUP
     pad = blocks * LANES - n
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         s, m = torch.cat([s, s.new_zeros(pad, groups)]), torch.cat([m, m.new_zeros(pad, groups)])
-    # q[b, lane, g, chunk, t] -> [b, g, chunk, lane, t]: byte 4 lane + t of chunk c = input 4 c + t of that lane
-    chunks = q.reshape(blocks, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4)
-    codes = (chunks[:, :, :4] | (chunks[:, :, 4:] << 4)).reshape(blocks, groups, 256)
+    # q[b, lane, g, part, chunk, t] -> [b, g, part, chunk, lane, t]: byte 4 lane + t of a part's chunk c = input
+    # 4 c + t of that part of that lane
+    chunks = q.reshape(blocks, LANES, groups, parts, 8, 4).permute(0, 2, 3, 4, 1, 5)
+    codes = (chunks[:, :, :, :4] | (chunks[:, :, :, 4:] << 4)).reshape(blocks, groups, 256 * parts)
     scales = torch.stack([s.reshape(blocks, LANES, groups), m.reshape(blocks, LANES, groups)], 1)  # b, s|m, lane, g
     scales = scales.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape(blocks, groups, 64)
     return torch.cat([codes, scales], 2).contiguous()

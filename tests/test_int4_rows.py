@@ -36,20 +36,22 @@ def four_bit(weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 3, 16, 21])
 @pytest.mark.parametrize("out_features, bias", [(48, False), (40, True), (300, True)])
-def test_kernel_matches_float64_reference(rows, out_features, bias, isa):
+@pytest.mark.parametrize("group, k", [(32, 96), (128, 384)])  # a target's groups; a drafter's coarser ones
+def test_kernel_matches_float64_reference(rows, out_features, bias, isa, group, k):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    w = torch.randn(out_features, 96, generator=g) * 0.05
+    w = torch.randn(out_features, k, generator=g) * 0.05
     w[3, 40:50] *= 20  # a group with a wide range
     b = torch.randn(out_features, generator=g) if bias else None
-    x = torch.randn(rows, 96, generator=g)
+    x = torch.randn(rows, k, generator=g)
     x[:, 5] *= 30  # an outlier channel
-    q, s, m = k4.quantize_int4(w)
+    q, s, m = k4.quantize_int4(w, group)
+    assert s.shape == m.shape == (out_features, 3)
     y = k4.int4_rows_linear(x, k4.pack_int4(q, s, m), out_features, b, isa=isa)
     want = k4.int4_rows_reference(x, q, s, m, b)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     # fp32 sums of 3 groups of exact int32 products: a few ulps of the largest term
     scale = (x.abs().amax(1, keepdim=True).double() / 127) * (k4.dequantize_int4(q, s, m).abs() @
-                                                               torch.full((96, 1), 127.0, dtype=torch.float64)).T
+                                                               torch.full((k, 1), 127.0, dtype=torch.float64)).T
     assert ((y.double() - want).abs() <= 1e-6 * scale + 1e-6).all()
     # the rounding is real: 8-bit rows and 4-bit weights, not the float product
     float_product = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -86,14 +88,15 @@ def test_four_bit_weights_are_recognised_and_kept_exactly():
     assert ((rounded - w).abs().reshape(64, 3, 32) <= group_step.unsqueeze(2) * 0.51 + 1e-6).all()
 
 
-def test_pack_puts_each_code_where_the_kernel_reads_it():
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_pack_puts_each_code_where_the_kernel_reads_it(group):
     """One nonzero code at a time, weight 1 everywhere else 0 (s = 1, m = 0): the product with a one-hot row picks
-    exactly that channel and input."""
-    n, k = 20, 64
-    for channel, column in ((0, 0), (17, 63), (5, 36), (15, 33)):
+    exactly that channel and input, in every part of 32 inputs of a coarser group."""
+    n, k = 20, 256
+    for channel, column in ((0, 0), (17, 63), (5, 36), (15, 33), (3, 100), (19, 255), (8, 130)):
         q = torch.zeros(n, k, dtype=torch.uint8)
         q[channel, column] = 15
-        s, m = torch.ones(n, k // 32, dtype=torch.half), torch.zeros(n, k // 32, dtype=torch.half)
+        s, m = torch.ones(n, k // group, dtype=torch.half), torch.zeros(n, k // group, dtype=torch.half)
         x = torch.zeros(1, k)
         x[0, column] = 1.0
         y = k4.int4_rows_linear(x, k4.pack_int4(q, s, m), n)
@@ -169,9 +172,10 @@ def test_requantize_rounds_every_layer_to_int4():
 
 
 def test_an_int4_target_gets_an_all_int4_drafter_and_draft_vocabulary():
-    """format_drafter: a drafter beside an int4 target runs every layer int4, its draft-vocabulary head too, and that
-    head's logits are the full head's at those ids, to the bit."""
-    from eagle_fsd.loading import LoadOptions, format_drafter
+    """format_drafter: a drafter beside an int4 target runs every layer int4, in groups of DRAFTER_INT4_GROUP inputs
+    where they divide the row (the tiny model's 128-wide down_proj) and of 32 elsewhere, its draft-vocabulary head
+    too, and that head's logits are the full head's at those ids, to the bit."""
+    from eagle_fsd.loading import DRAFTER_INT4_GROUP, LoadOptions, format_drafter
 
     target, draft = tiny_model("qwen2", seed=5), tiny_model("qwen2", seed=6)
     with torch.no_grad():
@@ -181,8 +185,11 @@ def test_an_int4_target_gets_an_all_int4_drafter_and_draft_vocabulary():
     format_weights(target, FOUR_BIT)
     drafter = LMDrafter(draft, 1000)
     fmt = format_drafter(drafter, FOUR_BIT, LoadOptions(prepack="off", draft_quant="auto"), target)
-    assert fmt == WeightFormat("rows", four_bit=True, requantize=True, exact=False)
+    assert fmt == WeightFormat("rows", four_bit=True, requantize=True, exact=False, int4_group=DRAFTER_INT4_GROUP)
     assert int4_share(draft) == 1.0
+    groups = {name: own_product(m.product).group for name, m in draft.named_modules() if isinstance(m, RowQuantLinear)}
+    assert DRAFTER_INT4_GROUP == 128 and draft.config.intermediate_size == 128
+    assert groups == {name: 128 if name.endswith("down_proj") else 32 for name in groups}, groups
     hidden = torch.randn(3, draft.config.hidden_size, generator=torch.Generator().manual_seed(5))
     full = drafter.draft_head(hidden)
     ids = torch.tensor([7, 3, 999, 500, 42])
@@ -199,22 +206,24 @@ def test_avx2_build_gives_the_avx512_builds_bits():
         b = torch.randn(out_features, generator=g)
         x = torch.randn(rows, in_features, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
         x[:, 7] *= 50  # an outlier channel: the extreme codes +-127 in every row
-        packed = k4.pack_int4(*k4.quantize_int4(w))
-        ys = [k4.int4_rows_linear(x, packed, out_features, b, isa=isa) for isa in ISAS]
-        assert all(torch.equal(y, ys[0]) for y in ys[1:]), (rows, out_features, in_features)
+        for group in (32, 128)[: 1 + (in_features % 128 == 0)]:
+            packed = k4.pack_int4(*k4.quantize_int4(w, group))
+            ys = [k4.int4_rows_linear(x, packed, out_features, b, isa=isa) for isa in ISAS]
+            assert all(torch.equal(y, ys[0]) for y in ys[1:]), (rows, out_features, in_features, group)
 
 
-def test_extreme_codes_do_not_saturate_the_avx2_pair_sums():
+@pytest.mark.parametrize("group", [32, 128])
+def test_extreme_codes_do_not_saturate_the_avx2_pair_sums(group):
     # every code 15 and every activation +-127 (a row of +-127: scale 1): each int16 slot of the AVX2 build holds
-    # 8 * 2 * 15 * 127 = 30480, and the product is 15 * 127 * 64 exactly
-    q = torch.full((16, 64), 15, dtype=torch.uint8)
-    s, m = torch.ones(16, 2, dtype=torch.half), torch.zeros(16, 2, dtype=torch.half)
+    # 8 * 2 * 15 * 127 = 30480 per part of 32 inputs, and the product is 15 * 127 * 256 exactly
+    q = torch.full((16, 256), 15, dtype=torch.uint8)
+    s, m = torch.ones(16, 256 // group, dtype=torch.half), torch.zeros(16, 256 // group, dtype=torch.half)
     packed = k4.pack_int4(q, s, m)
     for sign in (1.0, -1.0):
-        x = torch.full((1, 64), sign * 127)
+        x = torch.full((1, 256), sign * 127)
         for isa in ISAS:
             y = k4.int4_rows_linear(x, packed, 16, isa=isa)
-            assert torch.equal(y, torch.full((1, 16), sign * 15.0 * 127 * 64)), isa
+            assert torch.equal(y, torch.full((1, 16), sign * 15.0 * 127 * 256)), isa
 
 
 def test_builds_follow_cpu_flags_and_torch_capability():

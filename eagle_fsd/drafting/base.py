@@ -26,7 +26,7 @@ from eagle_fsd.hf import causal_mask, prefix_tree_mask
 from eagle_fsd.plan import ModelRun
 from eagle_fsd.prepack import PackedLinear, pack_weight, packed_linear
 from eagle_fsd.quant import QuantLinear, int4_fits
-from eagle_fsd.target_quant import Int4Product, RowQuantLinear, own_product
+from eagle_fsd.target_quant import GROUP, Int4Product, Rounding, RowQuantLinear, own_product
 from eagle_fsd.tree.accept import Step
 from eagle_fsd.tree.dynamic import DraftTree, chain_tree, grow_pool, select_tree
 from eagle_fsd.tree.shape import TreeShape
@@ -66,10 +66,11 @@ class DraftHead:
         bits = self.lm_head.bits if isinstance(self.lm_head, QuantLinear) else 0
         self.quant = None
         if isinstance(self.lm_head, RowQuantLinear):  # a quantized head: its rows, rounded as the head rounds them
-            int4 = isinstance(own_product(self.lm_head.product), Int4Product)
-            self.quant = RowQuantLinear.from_weight(self.weight, self.bias, self.lm_head.activation_bits,
-                                                   per_row=self.lm_head.product.per_row, four_bit=int4,
-                                                   requantize=int4)
+            product = own_product(self.lm_head.product)
+            int4 = isinstance(product, Int4Product)
+            rounding = Rounding(self.lm_head.activation_bits, product.per_row, int4, int4,
+                                int4_group=product.group if int4 else GROUP)
+            self.quant = RowQuantLinear.from_weight(self.weight, self.bias, rounding=rounding)
         elif bits == 8 or (bits == 4 and int4_fits(*self.weight.shape)):
             self.quant = QuantLinear.from_weight(self.weight, self.bias, bits)
             self.quant.packed = pack_weight(self.weight) if self.lm_head.packed is not None else None
