@@ -46,7 +46,9 @@ class SpeedGuard:
         plain_equivalent(step) = tokens * t_plain * (measured verify time / t_verify(n)).
     When the last `window` speculative steps took `margin` longer than their plain equivalent, the next `backoff`
     tokens are decoded plainly, then speculation is tried again (the backoff doubles each time it loses in a row).
-    The window and margin keep a few unlucky steps of a speculation that pays on average from switching it off.
+    The window and margin keep a few unlucky steps of a speculation that pays on average from switching it off (on
+    chat a 16-step window handed 32-224 of lossless' ~600 steps to plain decoding where speculation paid on every
+    question; 32 steps: none, benchmarks/guard_window_ab.py).
     plain_ms None disables the guard. start_plain: begin in plain mode (the cost model predicts a loss).
     The profile is only the starting point; measurements heal it (plain and speculative steps are timed alike):
     - t_plain: once plain steps have run, what they measured, brought to the profile's machine speed
@@ -60,7 +62,7 @@ class SpeedGuard:
     speculation is still probed now and then). `memory` (a GuardMemory) holds the measurements the model's guards
     share."""
 
-    def __init__(self, plain_ms: float | None = None, verify_ms: dict[int, float] | None = None, window: int = 16,
+    def __init__(self, plain_ms: float | None = None, verify_ms: dict[int, float] | None = None, window: int = 32,
                  backoff: int = 32, start_plain: bool = False, margin: float = 0.05,
                  memory: GuardMemory | None = None):
         self.plain_ms, self.verify_ms = plain_ms, verify_ms or {}

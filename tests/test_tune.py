@@ -165,6 +165,22 @@ def test_speed_guard_backs_off_and_retries():
     assert SpeedGuard(None).speculate()  # no profile: no guard
 
 
+def test_speed_guard_rides_out_a_short_stretch_of_low_acceptance_and_stops_a_lasting_one():
+    """With its default window (32 speculative steps), 16 losing steps amid steps that pay (a list of names in a
+    reply) do not switch speculation off; a lasting stretch does, within 32 steps."""
+    guard = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 100.0})
+    paying, losing = dict(tokens=2, seconds=0.15, verify_seconds=0.1, tree_size=4), \
+        dict(tokens=1, seconds=0.15, verify_seconds=0.1, tree_size=4)  # 13.3 and 6.7 tok/s against plain's 10
+    for step in range(48):
+        assert guard.speculate(), step
+        guard.record(True, **(losing if 16 <= step < 32 else paying))
+    steps = 0
+    while guard.speculate() and steps < 32:  # the window's paying steps leave it one by one
+        guard.record(True, **losing)
+        steps += 1
+    assert not guard.speculate() and 16 < steps < 32, steps
+
+
 def test_speed_guard_judges_by_the_machine_speed_now():
     """A machine running 2x slower than when tuned slows plain decoding too: the same steps still pay."""
     guard = SpeedGuard(plain_ms=100.0, verify_ms={1: 100.0, 4: 150.0}, window=4)
