@@ -33,8 +33,8 @@ from eagle_fsd.weights import PREPACKED, format_weights
 FORMATTED = (PackedLinear, QuantLinear, RowQuantLinear)  # what the weight step swaps linear layers for
 EAGLE_DEFAULTS = (60, 5, 10)  # EAGLE's total_token, depth, top_k
 TREE_NAMES = ("total_token", "depth", "branching", "draft_vocab")  # TreeShape's names (and the draft vocabulary)
-# inputs per 4-bit scale of an LM drafter's layers: 4.25 bits a weight instead of 5 at 32, 0.79-0.93x the kernel time
-# on the 0.5B drafter's shapes and about 2 % fewer draft tokens agreeing with the target (docs/cpu-kernels.md)
+# inputs per 4-bit scale of an LM drafter's layers: 4.25 bits a weight instead of 5.0 at 32, fewer bytes a draft
+# forward for the same tokens a step on chat (benchmarks/drafter_group_ab.py, docs/cpu-kernels.md)
 DRAFTER_INT4_GROUP = 128
 
 
@@ -117,8 +117,9 @@ def format_drafter(drafter, target_format: WeightFormat, options: LoadOptions, t
     """The drafter's weights in the format chosen for them. With a quantized target, an LM drafter on draft_quant
     "auto" runs the same kernels: where the target's run int4, every drafter layer is rounded to int4 (4-bit already
     or not: a drafter's rounding moves acceptance only, and half the bytes of int8 make each draft forward cheaper),
-    else int8; its inputs are fp32 then. Its int4 groups are DRAFTER_INT4_GROUP inputs where they divide a row. Otherwise it is prepacked with the target, then rounded as draft_quant
-    resolves (prepack "auto" judged on the target as it runs now)."""
+    else int8; its inputs are fp32 then, its int4 groups DRAFTER_INT4_GROUP inputs where they divide a row. Otherwise
+    it is prepacked with the target, then rounded as draft_quant resolves (prepack "auto" judged on the target as it
+    runs now)."""
     if drafter is None:
         return None
     if target_format.quantized_rows and options.draft_quant == "auto" and drafter.auto_quant:
