@@ -243,7 +243,7 @@ def test_a_models_calls_under_one_rule_are_judged_as_one_generation():
     model = EaFsdModel(target, WordTokenizer(), LMDrafter(tiny_model("llama", seed=2), 1000),
                        4, 1, 1, tuning=tuning)
     ids = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(4))
-    first = model.generate(ids, max_new_tokens=30, eos_token_id=[], return_dict=True)
+    first = model.generate(ids, max_new_tokens=45, eos_token_id=[], return_dict=True)
     assert 0 < first.plain_steps < first.verify_steps  # speculated for a window, then fell back
     assert model._speed_guard(None).plain_left >= 10  # ... and ended inside the backoff
     prefills = []
