@@ -24,6 +24,7 @@ from eagle_fsd.kernels.kquant_rows import (BLOCK_BYTES, GGML_TYPES, SUPER, dequa
                                            kquant_rows_isa, kquant_rows_linear, pack)
 
 KQUANT_CODES = {"q4_k": 14, "q6_k": 16}  # a product state's info[0] (4 and 8 are int4 and int8)
+KQUANT_KINDS = {code: kind for kind, code in KQUANT_CODES.items()}
 LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down"}  # transformers' Llama / Qwen2 module -> llama.cpp's tensor
@@ -105,7 +106,7 @@ class KQuantProduct:
     def from_state(cls, state: dict[str, torch.Tensor]) -> KQuantProduct:
         product = cls.__new__(cls)
         code, product.out_features, product.in_features = state["info"].tolist()[:3]
-        product.kind = {c: kind for kind, c in KQUANT_CODES.items()}[code]
+        product.kind = KQUANT_KINDS[code]
         product.packed, product.bias = state["packed"], state.get("bias")
         return product
 

@@ -17,6 +17,7 @@ import torch
 
 from eagle_fsd.dtypes import dtype_name
 from eagle_fsd.fsd import FsdConfig
+from eagle_fsd.kernels.int4_rows import GROUP
 from eagle_fsd.tree.shape import TreeShape
 
 WEIGHT_KINDS = ("float", "prepacked", "int8", "int4", "rows")
@@ -40,7 +41,7 @@ class WeightFormat:
     requantize: bool = False
     exact: bool = True
     gguf: str | None = None
-    int4_group: int = 32
+    int4_group: int = GROUP
 
     def __post_init__(self):
         if self.kind not in WEIGHT_KINDS:
@@ -92,7 +93,7 @@ class ModelRun:
         if kind == "rows":
             if self.gguf_share:
                 return f"GGUF Q4_K / Q6_K blocks x int8 ({self.gguf_share:.0%} of weights, {self.int4_share:.0%} 4-bit)"
-            group = f", groups of {self.weights.int4_group}" if self.weights.int4_group != 32 else ""
+            group = f", groups of {self.weights.int4_group}" if self.weights.int4_group != GROUP else ""
             share = f"int4 x int8 ({self.int4_share:.0%} of weights{group}), " if self.int4_share else ""
             return f"{share}int8 x int8"
         return {"float": "as loaded", "prepacked": "as loaded, prepacked"}.get(kind, kind)
@@ -107,7 +108,7 @@ class ModelRun:
             key["int8_kernel"] = "int8_rows" if self.int8_rows else "fbgemm"
             if self.gguf_share:
                 key["gguf_share"] = round(self.gguf_share, 2)
-            if self.int4_share and self.weights.int4_group != 32:
+            if self.int4_share and self.weights.int4_group != GROUP:
                 key["int4_group"] = self.weights.int4_group
         if self.fused:
             key["fused"] = True

@@ -45,7 +45,7 @@ from eagle_fsd.kernels.int4_rows import (GROUP, LANES, cpu_flags, fits_int4, int
                                          int4_rows_linear, pack_int4, quantize_int4)
 from eagle_fsd.kernels.int8_rows import (int8_rows_available, int8_rows_entry, int8_rows_linear, pack_int8_rows,
                                          quantize_int8)
-from eagle_fsd.gguf_blocks import KQUANT_CODES, KQuantProduct
+from eagle_fsd.gguf_blocks import KQUANT_CODES, KQUANT_KINDS, KQuantProduct
 from eagle_fsd.prepack import PackedLinear
 
 VNNI_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}  # 8-bit products summed in 32 bits
@@ -314,7 +314,7 @@ def product_from_state(state: dict[str, torch.Tensor]):
 def state_kind(state: dict[str, torch.Tensor]) -> str:
     """`product_kind`'s name for the product whose `state()` this is."""
     code = int(state["info"][0])
-    return {4: "int4", 8: "int8"}.get(code) or {c: kind for kind, c in KQUANT_CODES.items()}[code]
+    return {4: "int4", 8: "int8"}.get(code) or KQUANT_KINDS[code]
 
 
 def stored(store, name: str, shape: torch.Size, build):
