@@ -7,9 +7,9 @@
 //     y_io = a_i sum_g ( s_og P_iog + m_og S_ig ),   P_iog = sum_{j in g} q_oj v_ij,   S_ig = sum_{j in g} v_ij
 //
 // P and S are exact in int32 (|P| <= 15 * 127 G). The sum over groups is fp32, in a fixed order (even and odd g
-// summed apart, then added); the work is split over output channels only. So a row's output depends on that row alone, never
-// on how many rows share the call or how many threads run it: verifying a tree gives each token bit for bit what
-// a one-token decoding step gives it.
+// summed apart, then added); the work is split over output channels only. So a row's output depends on that row
+// alone, never on how many rows share the call or how many threads run it: verifying a tree gives each token bit for
+// bit what a one-token decoding step gives it.
 //
 // Layout (eagle_fsd.kernels.int4_rows.pack_int4): channels in blocks of 16, one 32-bit lane each. For block b and
 // group g, per part of 32 inputs, 256 bytes hold 8 registers' worth of 4-input chunks, chunk c in the low nibbles and
@@ -57,13 +57,18 @@ void round_rows(const float* x, int64_t rows, int64_t k, int64_t group, int8_t* 
 }
 
 #if defined(__AVX512VNNI__)
-// channels [16 b, 16 b + 16) of rows [r0, r1). Each row's groups alternate between two fp32 sums, even and odd g,
+// channels [16 b, 16 b + 16) of rows [r0, r1), r1 - r0 <= kRowsPerPass; R > 0: exactly R rows, a count the compiler
+// knows, so that the rows' sums stay in registers (one row in groups of 32: 0.6-0.75x the time of R = 0 with the
+// weights in cache, benchmarks/int4_revision_ab.py). Each row's groups alternate between two fp32 sums, even and odd g,
 // added at the end: a fixed order (the same for any number of rows), half as long a chain of dependent additions.
+template <int R>
 void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_t* v, const float* sums,
                    const float* a, const float* bias, int64_t k, int64_t ldy, int64_t r0, int64_t r1, float* y) {
+  constexpr int kCap = R ? R : kRowsPerPass;
+  if (R) r1 = r0 + R;
   const int64_t group = k / groups, parts = group / kPart, group_bytes = kPartBytes * parts + kScaleBytes;
-  __m512 acc[2][kRowsPerPass];
-  __m512i whole[kRowsPerPass];  // P_iog, summed over the group's parts of 32 inputs (exact in int32)
+  __m512 acc[2][kCap];
+  __m512i whole[kCap];  // P_iog, summed over the group's parts of 32 inputs (exact in int32)
   for (int64_t i = r0; i < r1; ++i) acc[0][i - r0] = acc[1][i - r0] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* block = packed + b * groups * group_bytes;
@@ -108,11 +113,14 @@ void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_
 
 #else
 // The same for AVX2: lanes [8 h, 8 h + 8) of the block in half h, both halves within one pass over the groups.
+template <int R>
 void block_product(const uint8_t* packed, int64_t b, int64_t groups, const int8_t* v, const float* sums,
                    const float* a, const float* bias, int64_t k, int64_t ldy, int64_t r0, int64_t r1, float* y) {
+  constexpr int kCap = R ? R : kRowsPerPass;
+  if (R) r1 = r0 + R;
   const int64_t group = k / groups, parts = group / kPart, group_bytes = kPartBytes * parts + kScaleBytes;
-  __m256 acc[2][2][kRowsPerPass];  // [half][g & 1][row]
-  __m256i whole[kRowsPerPass];      // P_iog of the half's lanes, summed over the group's parts (exact in int32)
+  __m256 acc[2][2][kCap];  // [half][g & 1][row]
+  __m256i whole[kCap];      // P_iog of the half's lanes, summed over the group's parts (exact in int32)
   for (int h = 0; h < 2; ++h)
     for (int64_t i = r0; i < r1; ++i) acc[h][0][i - r0] = acc[h][1][i - r0] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -170,11 +178,14 @@ void int4_rows_into(const float* x, int64_t rows, int64_t k, const void* weights
   std::vector<float> a(rows), sums(rows * groups);
   round_rows(x, rows, k, k / groups, v.data(), a.data(), sums.data());
   const uint8_t* w = static_cast<const uint8_t*>(weights);
+  // one or two rows in groups of 32 (a target's step) take the fixed-count copy; in coarser groups (a drafter's) it
+  // measured slower from memory (1.1-1.2x at one row, AVX2 build), so they keep the general one
+  const auto product = k / groups != kPart || rows > 2 ? block_product<0> : rows == 1 ? block_product<1>
+                                                                                      : block_product<2>;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass)
-        block_product(w, b, groups, v.data(), sums.data(), a.data(), bias, k, ldy, r0,
-                      std::min(rows, r0 + kRowsPerPass), y);
+        product(w, b, groups, v.data(), sums.data(), a.data(), bias, k, ldy, r0, std::min(rows, r0 + kRowsPerPass), y);
   });
 }
 

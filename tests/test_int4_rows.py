@@ -58,18 +58,20 @@ def test_kernel_matches_float64_reference(rows, out_features, bias, isa, group, 
     assert (y.double() - float_product).abs().max() > 1e-4
 
 
-def test_each_row_is_independent_of_its_call_and_of_threads():
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_row_is_independent_of_its_call_and_of_threads(isa):
+    # one and two rows take the kernel's fixed-count path, more its general one: every count gives the same bits
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(80, 128, generator=g) * 0.05, torch.randn(80, generator=g)
     packed = k4.pack_int4(*k4.quantize_int4(w))
     x = torch.randn(37, 128, generator=g) * torch.logspace(-2, 2, 37).unsqueeze(1)
-    alone = torch.cat([k4.int4_rows_linear(x[i:i + 1], packed, 80, b) for i in range(37)])
+    alone = torch.cat([k4.int4_rows_linear(x[i:i + 1], packed, 80, b, isa=isa) for i in range(37)])
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for size in (2, 5, 16, 17, 37):
-                assert torch.equal(k4.int4_rows_linear(x[:size], packed, 80, b), alone[:size]), (n, size)
+            for size in (2, 3, 5, 16, 17, 18, 37):
+                assert torch.equal(k4.int4_rows_linear(x[:size], packed, 80, b, isa=isa), alone[:size]), (n, size)
     finally:
         torch.set_num_threads(threads)
 
