@@ -23,9 +23,9 @@ from eagle_fsd.prepack import PackedLinear
 from eagle_fsd.product_store import format_cached
 from eagle_fsd.quant import QuantLinear
 from eagle_fsd.settings import AUTO, Settings
-from eagle_fsd.target_quant import RowQuantLinear, activation_bits, gguf_share, int4_share, runs_int8_rows
+from eagle_fsd.target_quant import RowQuantLinear, cpu_activation_bits, gguf_share, int4_share, runs_int8_rows
 from eagle_fsd.tree.shape import TreeShape
-from eagle_fsd.tune import (autotune, cpu_flags, resolve_draft_quant, resolve_dtype, resolve_prepack,
+from eagle_fsd.tune import (autotune, resolve_draft_quant, resolve_dtype, resolve_prepack,
                             resolve_target_quant, target_quant_choice)
 from eagle_fsd.tune.dtype import load_device
 from eagle_fsd.weights import PREPACKED, format_weights
@@ -105,7 +105,7 @@ def load_formatted_target(path: str, preset: bool, options: LoadOptions, hf_kwar
     load_dtype = "auto" if target_bits and options.dtype == "auto" else run_dtype
     target, tokenizer = load_target(path, load_dtype, options.device_map, hf_kwargs)
     if target_bits:
-        fmt = WeightFormat("rows", activation_bits=activation_bits(cpu_flags()), four_bit=target_bits == 4,
+        fmt = WeightFormat("rows", activation_bits=cpu_activation_bits(), four_bit=target_bits == 4,
                            gguf=str(gguf) if gguf is not None and target_bits == 4 and blocks_pay() else None)
     else:
         fmt = PREPACKED if resolve_prepack(options.prepack, target) else WeightFormat()

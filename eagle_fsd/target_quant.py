@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_fsd.kernels.int4_rows import (GROUP, LANES, cpu_flags, fits_int4, int4_rows_available, int4_rows_entry,
-                                         int4_rows_linear, pack_int4, quantize_int4)
+from eagle_fsd.kernels.int4_rows import (CAPABILITY_ISAS, GROUP, LANES, cpu_flags, fits_int4, int4_rows_available,
+                                         int4_rows_entry, int4_rows_linear, pack_int4, quantize_int4)
 from eagle_fsd.kernels.int8_rows import (int8_rows_available, int8_rows_entry, int8_rows_linear, pack_int8_rows,
                                          quantize_int8)
 from eagle_fsd.gguf_blocks import KQUANT_CODES, KQUANT_KINDS, KQuantProduct
@@ -56,10 +56,9 @@ def row_int8_supported(device: torch.device | str = "cpu") -> bool:
     if torch.device(device).type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
     try:
-        torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32  # noqa: B018 (resolves the op)
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32 is not None  # resolves the op
     except (AttributeError, RuntimeError):
         return False
-    return True
 
 
 def activation_bits(cpu_flags: set[str]) -> int:
@@ -69,8 +68,9 @@ def activation_bits(cpu_flags: set[str]) -> int:
 
 @functools.cache
 def cpu_activation_bits() -> int:
-    """`activation_bits` of this CPU: the most FBGEMM's int8 products take here without saturating."""
-    return activation_bits(cpu_flags())
+    """`activation_bits` of this CPU (the most FBGEMM's int8 products take here without saturating), capped like the
+    kernels by torch's CPU capability: ATEN_CPU_CAPABILITY=avx2 takes an AVX2-only CPU's 7 (and its int8_rows build)."""
+    return 7 if torch.backends.cpu.get_cpu_capability().upper() in CAPABILITY_ISAS else activation_bits(cpu_flags())
 
 
 def checked_activation_bits(bits: int | None) -> int:

@@ -14,6 +14,7 @@ from eagle_fsd.fused_decoder import fused_fits
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.loading import model_run, plan_for
 from eagle_fsd.model import EaFsdModel, exactness
+from eagle_fsd.kernels.int4_rows import cpu_flags
 from eagle_fsd.plan import WeightFormat
 from eagle_fsd.settings import add_fsd_args, add_model_args, parse_settings
 from eagle_fsd import target_quant
@@ -339,3 +340,14 @@ def test_siblings_share_one_product_with_unchanged_results():
     x.mul_(3)  # changed in place: the next sibling must not reuse the product of the old values
     assert torch.equal(attention.k_proj(x), alone["k_proj"](x))
     assert torch.equal(attention.v_proj(x.clone()), alone["v_proj"](x))
+
+
+def test_torch_capability_caps_the_activation_bits(monkeypatch):
+    # ATEN_CPU_CAPABILITY=avx2 on a VNNI CPU stands for an AVX2-only one: its 7-bit rows (and int8_rows' AVX2 build)
+    try:
+        for capability, bits in (("AVX2", 7), ("DEFAULT", 7), ("AVX512", activation_bits(cpu_flags()))):
+            monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            cpu_activation_bits.cache_clear()
+            assert cpu_activation_bits() == bits, capability
+    finally:
+        cpu_activation_bits.cache_clear()
