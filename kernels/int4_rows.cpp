@@ -58,7 +58,7 @@ void round_rows(const float* x, int64_t rows, int64_t k, int64_t group, int8_t* 
 
 #if defined(__AVX512VNNI__)
 // channels [16 b, 16 b + 16) of rows [r0, r1), r1 - r0 <= kRowsPerPass; R > 0: exactly R rows, a count the compiler
-// knows, so that the rows' sums stay in registers (one row in groups of 32: 0.6-0.75x the time of R = 0 with the
+// knows, so that the rows' sums stay in registers (one row in groups of 32: 0.6-0.8x the time of R = 0 with the
 // weights in cache, benchmarks/int4_revision_ab.py). Each row's groups alternate between two fp32 sums, even and odd g,
 // added at the end: a fixed order (the same for any number of rows), half as long a chain of dependent additions.
 template <int R>
@@ -179,7 +179,7 @@ void int4_rows_into(const float* x, int64_t rows, int64_t k, const void* weights
   round_rows(x, rows, k, k / groups, v.data(), a.data(), sums.data());
   const uint8_t* w = static_cast<const uint8_t*>(weights);
   // one or two rows in groups of 32 (a target's step) take the fixed-count copy; in coarser groups (a drafter's) it
-  // measured slower from memory (1.1-1.2x at one row, AVX2 build), so they keep the general one
+  // measured no faster from memory (0.95-1.2x at one row, AVX2 build), so they keep the general one
   const auto product = k / groups != kPart || rows > 2 ? block_product<0> : rows == 1 ? block_product<1>
                                                                                       : block_product<2>;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
