@@ -466,6 +466,8 @@ def test_kernel_races_are_kept_per_machine_when_quiet(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(tune_dtype, "mlp_kernel_ms", counting)
+    busy_reason = TimingWatch.busy_reason
+    monkeypatch.setattr(TimingWatch, "busy_reason", lambda self: None)  # quiet, whatever else runs beside the test
     first = tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
     assert set(first) == {"fp32"} and len(timed) == 1
     assert tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,)) == first and len(timed) == 1  # kept
@@ -480,6 +482,7 @@ def test_kernel_races_are_kept_per_machine_when_quiet(monkeypatch):
     assert len(timed) == 4
     tune_dtype.forget_races()
     assert not tune_dtype.race_path().exists()
+    monkeypatch.setattr(TimingWatch, "busy_reason", busy_reason)
     monkeypatch.setattr(TimingWatch, "clocks", staticmethod(machine_clocks(0.3)))  # a busy machine
     tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))
     tune_dtype.raced_ms(256, 1024, ("fp32",), rows=(1,))

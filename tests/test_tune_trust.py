@@ -166,9 +166,10 @@ def test_check_judges_costs_relative_to_plain_decoding():
     assert disagreements(cached, plain_off, 1.25)[1] == ["t_verify(1)", "t_verify(6)", "t_level(4, full)"]
 
 
-def test_every_calibration_prompt_serves_the_rules_replay(monkeypatch):
-    """An expensive drafter's tree replay reads fewer prompts (replay_seconds); the rules' replay reads the target's
-    greedy continuation of every calibration prompt, kept on the profile."""
+def test_every_calibration_prompt_serves_both_replays(monkeypatch):
+    """An expensive drafter's tree replay reads fewer positions of every calibration prompt (replay_seconds; at
+    least MIN_POSITIONS each), never fewer prompts; the rules' replay reads the target's greedy continuation of
+    every calibration prompt, kept on the profile."""
     import sys
     from dataclasses import replace
 
@@ -179,16 +180,34 @@ def test_every_calibration_prompt_serves_the_rules_replay(monkeypatch):
     real = tuner.replay_prompts
 
     def spy(model, ids, *args, **kwargs):
-        replayed.append(len(ids))
-        return real(model, ids, *args, **kwargs)
+        rows, ranks, continuations = real(model, ids, *args, **kwargs)
+        replayed.append([len(r) for r in rows])
+        return rows, ranks, continuations
 
     monkeypatch.setattr(tuner, "replay_prompts", spy)
     model = tiny_pair()
-    settings = replace(SETTINGS, prompts=3, replay_seconds=0.0)  # affords the fewest prompts the replay reads: 2
+    settings = replace(SETTINGS, prompts=3, new_tokens=tuner.MIN_POSITIONS + 12, replay_seconds=0.0)
     profile = tune.measure(model, settings, progress=False)
     prompts = tune.calibration_prompts(model.tokenizer, 3)
-    assert replayed == [2] and len(profile.calibration) == 3
+    assert replayed == [[tuner.MIN_POSITIONS] * 3] and len(profile.calibration) == 3
     for (sequence, prompt_length), prompt in zip(profile.calibration, prompts):
         assert prompt_length == prompt.shape[1] and sequence[:prompt_length] == prompt[0].tolist()
         new = len(sequence) - prompt_length
         assert new > 0 and sequence == hf_greedy(model.base_model, prompt, new)[0].tolist()
+
+
+def test_the_replay_budget_cuts_positions_per_prompt():
+    """search_space: a drafter that costs a tenth of a step or more narrows the branching; the positions per prompt
+    fit replay_seconds (level forwards of every top_k and depth, plus the catch-up, per position), between
+    MIN_POSITIONS and every position that has a full chain after it."""
+    from dataclasses import replace
+
+    from eagle_fsd.tune.measure import MIN_POSITIONS, search_space
+
+    settings = replace(SETTINGS, new_tokens=64, max_depth=6, top_ks=None, replay_seconds=90.0)
+    assert search_space(settings, 1.0, 40.0, 6) == ((1, 2, 4, 8), 57)  # cheap: every position
+    top_ks, positions = search_space(settings, 10.0, 40.0, 6)  # 90 s / (6 prompts x 10 ms x 19 forwards) = 78.9
+    assert top_ks == (1, 2, 4) and positions == 57
+    assert search_space(settings, 10.0, 40.0, 12) == ((1, 2, 4), 39)  # 90 s / (12 x 10 ms x 19) = 39.5
+    assert search_space(settings, 13.0, 40.0, 60) == ((1, 2), MIN_POSITIONS)
+    assert search_space(replace(settings, replay_seconds=45.0), 10.0, 40.0, 12) == ((1, 2, 4), 19)

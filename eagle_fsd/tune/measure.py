@@ -24,6 +24,7 @@ from eagle_fsd.tune.trust import TimingWatch
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
 TOP_KS = (1, 2, 4, 8)  # candidate branching (EAGLE's top_k)
 MAX_DEPTH = 6
+MIN_POSITIONS = 16  # replayed positions per calibration prompt, however expensive the drafter
 # tokens cached before a step's rows when costs are timed: mid-answer for chat (prompts near 100 tokens, 256-512 new
 # ones), and a short context beside it. Attention over the cache grows with it (a verification of 16 rows costs
 # ~15 % less at 150 tokens than at 256): the profile takes each cost as linear between the two (CostProfile.at_context).
@@ -35,7 +36,8 @@ CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 @dataclass
 class TuneSettings:
     """How much the tuner measures. Up to prompts x new_tokens calibration positions (the tree replay reads fewer
-    prompts for an expensive drafter, to keep it near replay_seconds; the rules' replay reads them all); top_ks /
+    positions of each prompt for an expensive drafter, to keep it near replay_seconds; the rules' replay reads them
+    all); top_ks /
     max_depth / sizes bound the shapes tried (top_ks None: chosen from the drafter's cost); vocabs None: the full
     vocabulary plus the reduced sizes of vocab.candidate_sizes when a frequency table exists for the tokenizer;
     rounds: timing repeats; on a busy machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait
@@ -48,7 +50,7 @@ class TuneSettings:
     sizes: tuple[int, ...] = SIZES
     vocabs: tuple[int, ...] | None = None
     rounds: int = 7
-    replay_seconds: float = 45.0
+    replay_seconds: float = 90.0
     prompt_texts: tuple[str, ...] | None = None  # None: the shipped calibration prompts
     retries: int = 2
     busy_wait: float = 10.0
@@ -193,13 +195,15 @@ def draft_level_cost(model, first) -> tuple[float, float]:
 
 
 def search_space(settings: TuneSettings, level1: float, step_ms: float, prompts: int) -> tuple[tuple, int]:
-    """The drafter's cost sets the search: a cheap one affords wide trees, an expensive one is replayed on fewer
-    prompts (settings.replay_seconds). Returns (top_ks, prompts to replay)."""
+    """The drafter's cost sets the search: a cheap one affords wide trees, an expensive one is replayed over fewer
+    positions of every prompt (settings.replay_seconds; at least MIN_POSITIONS each). Every prompt stays in: the
+    prompts differ in how predictable they are, so E[a + 1] from the first two or three alone swings with which ones
+    they are. Returns (top_ks, positions replayed per prompt)."""
     top_ks = settings.top_ks or ((1, 2, 4, 8) if level1 < 0.1 * step_ms else
                                  (1, 2, 4) if level1 < 0.3 * step_ms else (1, 2))
     per_prompt = max(settings.new_tokens - settings.max_depth - 1, 1)
-    affordable = settings.replay_seconds * 1000 / (per_prompt * level1 * (len(top_ks) * settings.max_depth + 1))
-    return top_ks, max(2, min(prompts, int(affordable)))
+    affordable = settings.replay_seconds * 1000 / (prompts * level1 * (len(top_ks) * settings.max_depth + 1))
+    return top_ks, min(per_prompt, max(MIN_POSITIONS, int(affordable)))
 
 
 def draft_vocabularies(model, settings: TuneSettings, cheap: bool) -> dict:
@@ -221,17 +225,19 @@ def plain_loop_ms(plain: list) -> float:
     return 1000 * sum(sum(o.phase_seconds.values()) - o.phase_seconds["verify"] for o in plain) / steps
 
 
-def replay_prompts(model, ids, plain, top_ks, settings: TuneSettings, sizes, progress: bool):
-    """Replay rows and root ranks over every prompt's greedy continuation, and the continuations."""
+def replay_prompts(model, ids, plain, top_ks, settings: TuneSettings, sizes, progress: bool,
+                   positions: int | None = None):
+    """Replay rows and root ranks over every prompt's greedy continuation (its first `positions` positions; None:
+    all), and the continuations."""
     from tqdm import tqdm
 
     rows, ranks, continuations = [], [], []
-    per_prompt = max(settings.new_tokens - settings.max_depth - 1, 1)
+    per_prompt = min(max(settings.new_tokens - settings.max_depth - 1, 1), positions or settings.new_tokens)
     with tqdm(total=len(ids) * per_prompt, desc="eagle-fsd tune: acceptance replay", disable=not progress,
               file=sys.stderr) as bar:
         for x, out in zip(ids, plain):
             continuations.append(out.sequences[0, x.numel():].tolist())
-            r, rk = replay(model, x, out.sequences[0, x.numel():], top_ks, settings.max_depth, sizes, bar)
+            r, rk = replay(model, x, out.sequences[0, x.numel():], top_ks, settings.max_depth, sizes, bar, positions)
             rows.append(r)
             ranks += rk
     return rows, ranks, continuations
@@ -245,9 +251,9 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
     with torch.no_grad():
         first = model.naive_generate(ids[0][None], max_new_tokens=settings.new_tokens, return_dict=True)
         level1, step_ms = draft_level_cost(model, first)
-        top_ks, prompts = search_space(settings, level1, step_ms, len(ids))
-        # the target's own greedy continuations (plain decoding through the loop: also the measured t_plain); those
-        # of the prompts the tree replay cannot afford still serve the rules' replay (rule_replay), which is cheap
+        top_ks, positions = search_space(settings, level1, step_ms, len(ids))
+        # the target's own greedy continuations (plain decoding through the loop: also the measured t_plain); the
+        # positions the tree replay cannot afford still serve the rules' replay (rule_replay), which is cheap
         plain = [first] + [model.naive_generate(x[None], max_new_tokens=settings.new_tokens, return_dict=True)
                            for x in ids[1:]]
         calibration = [[out.sequences[0].tolist(), x.numel()] for x, out in zip(ids, plain)]
@@ -258,8 +264,7 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
                                                                                settings, progress)
         # t_plain = t_verify(1), timed with the other sizes, + the loop's own per-token work
         plain_ms = verify_ms[1] + plain_loop_ms(plain)
-        rows, ranks, continuations = replay_prompts(model, ids[:prompts], plain[:prompts], top_ks, settings, sizes,
-                                                    progress)
+        rows, ranks, continuations = replay_prompts(model, ids, plain, top_ks, settings, sizes, progress, positions)
     tau, by_depth = tau_by_shape(rows, continuations, vocabs, top_ks, settings.max_depth)
     profile = CostProfile(verify_ms, level_ms, extend_ms, 0.0, plain_ms, tau, by_depth,
                           rank_histogram=[round(ranks.count(r) / max(len(ranks), 1), 4) for r in range(RANKS + 1)],

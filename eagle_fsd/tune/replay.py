@@ -103,9 +103,11 @@ def root_rank(root_logits: torch.Tensor, draft_vocab, token: int) -> int:
     return int(hit[0, 0]) if hit.numel() else RANKS
 
 
-def replay(model, prompt: torch.Tensor, continuation: torch.Tensor, top_ks, max_depth: int, sizes, progress=None):
-    """Per position j of the target's greedy continuation: {(n, d, k): accepted length} of the tree a step rooted
-    at continuation[j] would verify, and the rank of continuation[j + 1] among the drafter's choices at the root."""
+def replay(model, prompt: torch.Tensor, continuation: torch.Tensor, top_ks, max_depth: int, sizes, progress=None,
+           positions: int | None = None):
+    """Per position j of the target's greedy continuation (the first `positions`; None: every one that has
+    max_depth + 1 tokens after it): {(n, d, k): accepted length} of the tree a step rooted at continuation[j] would
+    verify, and the rank of continuation[j + 1] among the drafter's choices at the root."""
     target, drafter = model.base_model, model.drafter
     full = torch.cat([prompt, continuation]).to(target.device)
     p = prompt.numel()
@@ -114,7 +116,7 @@ def replay(model, prompt: torch.Tensor, continuation: torch.Tensor, top_ks, max_
     root_logits, root_state = drafter.prefill(full[:p], full[p], hidden[:p])
     g = continuation.tolist()
     rows, ranks = [], []
-    for j in range(len(g) - max_depth - 1):
+    for j in range(min(len(g) - max_depth - 1, len(g) if positions is None else positions)):
         ahead = g[j + 1: j + max_depth + 2]
         rows.append(pool_lengths(drafter, root_logits, root_state, ahead, top_ks, max_depth, sizes))
         ranks.append(root_rank(root_logits, drafter.draft_vocab, ahead[0]))
