@@ -233,14 +233,16 @@ def run(job: BenchJob) -> dict:
     methods = methods_for(model, job, hf_target, ids_list)
     context = mean_context(ids_list, job.settings.generation.max_new_tokens)
     predictions = rule_predictions(model, job, context)
+    first_tree = model.trees_for(None).shape if model.tuning is not None else None  # lossless' tree there
     warm_up_rules(model, job.fsd_rows, ids_list[0])
     hf_method(hf_target, 8)(ids_list[0][:, :16])
     vllm = run_rows(job.also_vllm, vllm_job(model, job, ids_list)) if job.also_vllm else None
     totals, per_question, reference = time_methods(methods, ids_list)
     if vllm is not None:
         add_vllm_rows(vllm["rows"], ids_list, reference, totals, per_question)
-    result = summarize(model, job.settings, ids_list, totals, per_question)
-    add_predictions(result, predictions, prediction_profile(model, context))
+    profile = prediction_profile(model, context)
+    result = summarize(model, job.settings, ids_list, totals, per_question, profile, first_tree)
+    add_predictions(result, predictions, profile)
     result["prediction_context_tokens"] = round(context, 1)
     if vllm is not None:
         result["vllm_version"], result["vllm_dtype"] = vllm["version"], vllm["dtype"]

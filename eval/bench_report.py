@@ -12,7 +12,8 @@ from eagle_fsd.presets import drafter_label
 from eagle_fsd.settings import Settings
 from eagle_fsd.tune import device_name
 from eagle_fsd.eval.arms import parse_tree
-from eagle_fsd.tune.follow import fit_rescue_on_trees, shape_key, trees_run_speedup
+from eagle_fsd.tune.follow import fit_rescue_on_trees, rule_prediction, shape_key, trees_run_speedup
+from eagle_fsd.tune.profile import workload_speedup
 
 PHASES = ("draft_prefill", "draft", "verify", "accept", "cache", "other")
 
@@ -151,7 +152,10 @@ def step_costs(t: dict, answers: int) -> dict:
                         "drafting": round(1000 * (steps_seconds - phases.get("verify", 0.0)) / steps, 2)}}
 
 
-def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict:
+def summarize(model, settings: Settings, ids_list, totals, per_question, profile=None, shape=None) -> dict:
+    """The run's result: its rows and, tuned, the cost model's prediction for the whole workload: with `profile`
+    (the tuned profile at the run's mean context) on `shape` (the lossless rule's first tree there, a TreeShape), else
+    the tuned choice as loaded."""
     rows = summarize_rows(totals, per_question, len(ids_list))
     m = settings.model
     result = {"model": m.model, "drafter": m.ea_model_path or m.drafter or drafter_label(m.model),
@@ -166,8 +170,15 @@ def summarize(model, settings: Settings, ids_list, totals, per_question) -> dict
         # the cost model's prediction for this workload: every prompt prefilled, then the new tokens (profile.py)
         prompt_tokens = sum(int(ids.numel()) for ids in ids_list)
         new_tokens = totals["eagle-fsd"]["tokens"] if "eagle-fsd" in totals else 0
-        result["predicted_speedup_over_plain_per_token"] = round(model.tuning.predicted_speedup, 3)
-        result["predicted_speedup_over_plain"] = round(model.tuning.workload_speedup(prompt_tokens, new_tokens), 3)
+        if profile is None or shape is None:
+            per_token, whole = model.tuning.predicted_speedup, model.tuning.workload_speedup(prompt_tokens, new_tokens)
+        else:
+            predicted = rule_prediction(profile, shape, 0.0)
+            per_token = predicted["speedup_per_token"]
+            whole = workload_speedup(profile.prefill_ms, profile.draft_prefill_ms, profile.plain_ms,
+                                     predicted["step_ms"] / predicted["tau"], prompt_tokens, new_tokens)
+        result["predicted_speedup_over_plain_per_token"] = round(per_token, 3)
+        result["predicted_speedup_over_plain"] = round(whole, 3)
         result["prompt_tokens"] = prompt_tokens
         result["speculate"] = model.tuning.speculate
         if "plain" in by_name:

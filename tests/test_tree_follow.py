@@ -277,3 +277,28 @@ def test_bench_predicts_at_the_runs_mean_context():
     assert at_timing["verify_ms"] == pytest.approx(profile.verify_ms[3])
     assert at_56["verify_ms"] == pytest.approx(profile.verify_ms[3] - 200 * 0.1)
     assert at_56["step_ms"] == pytest.approx(at_timing["step_ms"] - 20 - 2.5)
+
+
+def test_the_benchs_whole_run_prediction_takes_the_costs_at_its_context():
+    """The headline prediction (whole generations: prompts prefilled, then the new tokens) is the lossless rule's
+    first tree with the costs at the run's mean context, as the rule's own line, not the tuned choice as loaded."""
+    from eagle_fsd.eval import bench
+    from eagle_fsd.settings import ModelSettings, Settings
+    from eagle_fsd.tune.profile import workload_speedup
+
+    profile = context_profile()
+    profile.prefill_ms, profile.draft_prefill_ms = 2.0, 0.5
+    model = tuned_tiny(profile, shape=(3, 1, 1, 0))
+    totals = {name: defaultdict(float, {"tokens": 40, "seconds": s}) for name, s in
+              (("hf-generate", 8.0), ("plain", 2.0), ("eagle-fsd", 1.0))}
+    ids_list = [torch.zeros(1, 7, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long)]
+    settings = Settings(model=ModelSettings(model="tiny"))
+    at_56 = profile.at_context(56)
+    result = bench.summarize(model, settings, ids_list, totals, {k: [1.0, 1.0] for k in totals}, at_56,
+                             TreeShape(3, 1, 1, 0))
+    step = at_56.step_ms((3, 1, 1, 0))
+    expected = workload_speedup(2.0, 0.5, profile.plain_ms, step / profile.tau[(3, 1, 1, 0)], 16, 40)
+    assert result["predicted_speedup_over_plain"] == pytest.approx(expected, abs=1e-3)
+    assert result["predicted_speedup_over_plain_per_token"] == pytest.approx(at_56.speedup((3, 1, 1, 0)), abs=1e-3)
+    assert at_56.speedup((3, 1, 1, 0)) > profile.speedup((3, 1, 1, 0)) + 0.01  # the context moved it
+    assert result["measured_speedup_over_plain"] == 2.0

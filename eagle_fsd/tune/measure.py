@@ -227,8 +227,7 @@ def plain_loop_ms(plain: list) -> float:
 
 def replay_prompts(model, ids, plain, top_ks, settings: TuneSettings, sizes, progress: bool,
                    positions: int | None = None):
-    """Replay rows and root ranks over every prompt's greedy continuation (its first `positions` positions; None:
-    all), and the continuations."""
+    """Replay rows and root ranks over every prompt's greedy continuation (its first `positions`), and those."""
     from tqdm import tqdm
 
     rows, ranks, continuations = [], [], []
