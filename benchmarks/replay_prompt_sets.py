@@ -36,7 +36,8 @@ def main() -> None:
     else:
         ids = [x[0] for x in mtbench_prompts(model.tokenizer, args.first + args.count)][args.first:]
     settings = TuneSettings(new_tokens=args.new_tokens)
-    sizes = tuple(sorted({1} | {n for n in SIZES if n <= max(TOP_KS) * (1 + MAX_DEPTH * max(TOP_KS)) + 1}))
+    biggest_pool = max(k + MAX_DEPTH * k * k for k in TOP_KS) + 1  # as the tuner bounds the tree sizes it replays
+    sizes = tuple(sorted({1} | {n for n in SIZES if n <= biggest_pool}))
     vocabs = {v: (vocab_ids(model, v) if v else None) for v in VOCABS}
     with torch.no_grad():
         plain = [model.naive_generate(x[None], max_new_tokens=args.new_tokens, return_dict=True) for x in ids]
