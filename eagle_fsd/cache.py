@@ -115,6 +115,10 @@ class TreeCache(Cache):
             layer.crop(max_length)
 
     def keep(self, start: int, idx: torch.Tensor) -> None:
+        n = idx.numel()
+        if n and int(idx[-1]) == n - 1:  # ascending with idx[i] >= i: idx is 0 .. n - 1, already in place (a chain)
+            self.crop(start + n)
+            return
         for layer in self.layers:
             layer.keep(start, idx)
         if self.positions is not None:  # the kept entries' positions move with them (indexing copies first)

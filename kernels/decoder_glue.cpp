@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <immintrin.h>
 #include <limits>
 #include <vector>
 
@@ -87,6 +89,151 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   return y.mul_(up);
 }
 
+// Attention's inner loops for one query head over its visible slots: scores s_t = scale (q . k_t), weights
+// exp(s_t - max s) and their sum, and acc += w_t v_t. Each is a fixed sequence of operations on its own operands
+// (per head, per slot, in slot order), so a row's result does not depend on the call it is in. A fp32 cache whose
+// head width is a multiple of 16 runs them on vectors of 16 floats (one AVX-512 register, two AVX2 ones); the
+// exponential is then Cephes' polynomial expf (a relative error of about 2^-23), flushed to 0 below e^-87.
+typedef float Floats __attribute__((vector_size(64)));
+typedef int32_t Ints __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline Floats load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
+
+inline float lane_sum(Floats v) {  // a fixed tree over the lanes
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#else
+  float x[kLanes];
+  store(x, v);
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2)
+    for (int64_t j = 0; j < width; ++j) x[j] += x[j + width];
+  return x[0];
+#endif
+}
+
+inline bool any_above(Floats v, float bound) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(bound), _CMP_GT_OQ) != 0;
+#else
+  const Ints above = v > bound;
+  bool any = false;
+  for (int64_t lane = 0; lane < kLanes; ++lane) any |= above[lane] != 0;
+  return any;
+#endif
+}
+
+inline Floats exp_lanes(const Floats x) {  // e^x for x <= 0: 2^n p(r), x = n ln 2 + r, |r| <= ln(2) / 2
+  const Ints keep = x >= -87.33654f;  // the lanes below give 0
+  const Floats n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const Floats r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  Floats p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Floats y = (p * (r * r) + r) + 1.0f;
+  const Ints two_n = (__builtin_convertvector(n, Ints) + 127) << 23;
+  return (Floats)((Ints)(y * (Floats)two_n) & keep);
+}
+
+template <typename T>
+void head_scores(const T* q, const T* keys, const int64_t* slots, int64_t count, int64_t dim, T scale, T* s) {
+  for (int64_t t = 0; t < count; ++t) {
+    const T* k = keys + slots[t] * dim;
+    T dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+    s[t] = dot * scale;
+  }
+}
+
+inline void head_scores(const float* q, const float* keys, const int64_t* slots, int64_t count, int64_t dim,
+                        float scale, float* s) {
+  if (dim % kLanes) return head_scores<float>(q, keys, slots, count, dim, scale, s);
+  for (int64_t t = 0; t < count; ++t) {
+    const float* k = keys + slots[t] * dim;
+    Floats even = {}, odd = {};
+    int64_t d = 0;
+    for (; d + 2 * kLanes <= dim; d += 2 * kLanes) {
+      even += load(q + d) * load(k + d);
+      odd += load(q + d + kLanes) * load(k + d + kLanes);
+    }
+    if (d < dim) even += load(q + d) * load(k + d);
+    s[t] = lane_sum(even + odd) * scale;
+  }
+}
+
+template <typename T>
+T exp_weights(T* s, int64_t count) {  // s_t -> exp(s_t - max s); returns their sum, in slot order
+  T peak = -std::numeric_limits<T>::infinity(), total = 0;
+  for (int64_t t = 0; t < count; ++t) peak = std::max(peak, s[t]);
+  for (int64_t t = 0; t < count; ++t) {
+    s[t] = std::exp(s[t] - peak);
+    total += s[t];
+  }
+  return total;
+}
+
+inline float exp_weights(float* s, int64_t count) {  // s holds room for count rounded up to 16
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < count; ++t) peak = std::max(peak, s[t]);
+  Floats total = {};
+  for (int64_t t = 0; t < count; t += kLanes) {
+    Floats w = exp_lanes(load(s + t) - peak);
+    if (t + kLanes > count)  // lanes past the last slot weigh nothing
+      for (int64_t j = count - t; j < kLanes; ++j) w[j] = 0.0f;
+    store(s + t, w);
+    total += w;
+  }
+  return lane_sum(total);
+}
+
+template <typename T>
+void weighted_sum(const T* w, const T* values, const int64_t* slots, int64_t count, int64_t dim, T* acc) {
+  std::fill(acc, acc + dim, T(0));  // acc = sum_t w_t v_t, in slot order
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = values + slots[t] * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] += w[t] * v[d];
+  }
+}
+
+template <int L>  // columns [0, 16 L) of a head's acc, held in L vectors
+void weighted_columns(const float* w, const float* values, const int64_t* slots, int64_t count, int64_t dim,
+                      float* acc) {
+  Floats sum[L] = {};
+  for (int64_t t = 0; t < count; ++t) {
+    const float* v = values + slots[t] * dim;
+#pragma GCC unroll 8
+    for (int l = 0; l < L; ++l) sum[l] += w[t] * load(v + l * kLanes);
+  }
+  for (int l = 0; l < L; ++l) store(acc + l * kLanes, sum[l]);
+}
+
+inline void weighted_sum(const float* w, const float* values, const int64_t* slots, int64_t count, int64_t dim,
+                         float* acc) {
+  if (dim % kLanes) return weighted_sum<float>(w, values, slots, count, dim, acc);
+  for (int64_t d = 0; d < dim;) {  // in pieces of 8, 4, 2 and 1 vectors
+    const int64_t left = (dim - d) / kLanes;
+    if (left >= 8) {
+      weighted_columns<8>(w, values + d, slots, count, dim, acc + d), d += 8 * kLanes;
+    } else if (left >= 4) {
+      weighted_columns<4>(w, values + d, slots, count, dim, acc + d), d += 4 * kLanes;
+    } else if (left >= 2) {
+      weighted_columns<2>(w, values + d, slots, count, dim, acc + d), d += 2 * kLanes;
+    } else {
+      weighted_columns<1>(w, values + d, slots, count, dim, acc + d), d += kLanes;
+    }
+  }
+}
+
 // attend: rope the rows' queries and keys, store keys and values at cache slots start .. start + n - 1, and attend.
 // Query row i of head h (key/value head g = h / (H / G)) sees slot j < start + n where mask[i][j] (a committed
 // prefix, the scratch entries of earlier draft levels that are its ancestors, this call's rows); over those keys, in
@@ -128,42 +275,34 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const float* cos, const f
     for (int64_t j = 0; j < width; ++j)
       if (mask[i * width + j]) visible[i].push_back(j);
   }
-  const int64_t work = width * dim;  // multiply-adds of one (row, head) task, twice
+  // One task is a row and a key/value head with the `group` query heads that share it, which read its keys and values
+  // one after the other, from the core's caches after the first. Tasks run head-major, so a thread's consecutive
+  // tasks read the same head's cache.
+  const int64_t work = width * dim * group;  // multiply-adds of one task, twice
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(work, 1));
-  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> q(dim), scores(width), acc(dim);
+  const int64_t room = (width + kLanes - 1) / kLanes * kLanes;
+  at::parallel_for(0, n * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> q(group * dim), scores(group * room), acc(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / heads, h = task % heads, g = h / group;
-      const float* row = qkv + i * qkv_stride + h * dim;
+      const int64_t g = task / n, i = task % n;
       const float *c = cos + i * dim, *s = sin + i * dim;
-      for (int64_t j = 0; j < half; ++j) {  // rope in fp32, as the keys were
-        q[j] = static_cast<T>(row[j] * c[j] - row[half + j] * s[j]);
-        q[half + j] = static_cast<T>(row[half + j] * c[half + j] + row[j] * s[half + j]);
-      }
       const std::vector<int64_t>& slots = visible[i];
       const int64_t count = static_cast<int64_t>(slots.size());
       const T* key_head = keys + g * max_len * dim;
       const T* value_head = values + g * max_len * dim;
-      T peak = -std::numeric_limits<T>::infinity();
-      for (int64_t t = 0; t < count; ++t) {
-        const T* k = key_head + slots[t] * dim;
-        T dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
-        scores[t] = dot * static_cast<T>(scale);
-        peak = std::max(peak, scores[t]);
+      for (int64_t u = 0; u < group; ++u) {
+        const float* row = qkv + i * qkv_stride + (g * group + u) * dim;
+        T* qu = q.data() + u * dim;
+        for (int64_t j = 0; j < half; ++j) {  // rope in fp32, as the keys were
+          qu[j] = static_cast<T>(row[j] * c[j] - row[half + j] * s[j]);
+          qu[half + j] = static_cast<T>(row[half + j] * c[half + j] + row[j] * s[half + j]);
+        }
+        head_scores(qu, key_head, slots.data(), count, dim, static_cast<T>(scale), scores.data() + u * room);
+        const T total = exp_weights(scores.data() + u * room, count);
+        weighted_sum(scores.data() + u * room, value_head, slots.data(), count, dim, acc.data());
+        float* o = out + i * heads * dim + (g * group + u) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<float>(acc[d] / total);
       }
-      T total = 0;
-      std::fill(acc.begin(), acc.end(), T(0));
-      for (int64_t t = 0; t < count; ++t) {
-        const T weight = std::exp(scores[t] - peak);
-        total += weight;
-        const T* v = value_head + slots[t] * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) acc[d] += weight * v[d];
-      }
-      float* o = out + i * heads * dim + h * dim;
-      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<float>(acc[d] / total);
     }
   });
 }
@@ -315,6 +454,51 @@ torch::Tensor rows_forward(const torch::Tensor& embeds, const std::vector<std::v
   return last;
 }
 
+// top_logprobs: per row of logits x (rows, V), its k largest logits (larger first, equal ones by column) and their
+// log-probabilities x_j - logsumexp(x), logsumexp(x) = m + log sum_j exp(x_j - m) with m = max_j x_j; one pass for
+// the k (a block of 16 that holds nothing above the k-th so far is passed over whole), one for the sum.
+std::vector<torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k) {
+  check_rows(logits, "top_logprobs logits");
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= width, "top_logprobs: k = ", k, " must lie in [1, ", width, "]");
+  auto logprobs = torch::empty({rows, k}, logits.options());
+  auto columns = torch::empty({rows, k}, logits.options().dtype(torch::kLong));
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> best(k);
+    std::vector<int64_t> where(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = logits.data_ptr<float>() + r * logits.stride(0);
+      int64_t found = 0;
+      auto consider = [&](int64_t j) {
+        const float v = x[j];
+        if (found == k && !(v > best[k - 1])) return;
+        int64_t at = found < k ? found++ : k - 1;
+        for (; at > 0 && v > best[at - 1]; --at) best[at] = best[at - 1], where[at] = where[at - 1];
+        best[at] = v, where[at] = j;
+      };
+      int64_t j = 0;
+      for (; j < std::min(k, width); ++j) consider(j);
+      for (; j + kLanes <= width; j += kLanes) {
+        if (any_above(load(x + j), best[k - 1]))
+          for (int64_t lane = 0; lane < kLanes; ++lane) consider(j + lane);
+      }
+      for (; j < width; ++j) consider(j);
+      const float peak = best[0];
+      Floats sum = {};
+      int64_t t = 0;
+      for (; t + kLanes <= width; t += kLanes) sum += exp_lanes(load(x + t) - peak);
+      float total = lane_sum(sum);
+      for (; t < width; ++t) total += std::exp(x[t] - peak);
+      const float lse = peak + std::log(total);
+      for (int64_t i = 0; i < k; ++i) {
+        logprobs[r][i] = best[i] - lse;
+        columns[r][i] = where[i];
+      }
+    }
+  });
+  return {logprobs, columns};
+}
+
 torch::Tensor rms_norm_aten(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   // transformers' RMSNorm (Llama, Qwen2) in fp32, operator by operator: the same bits, one call from Python
   auto variance = x.pow(2).mean(-1, true);
@@ -330,4 +514,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "rope, cache and attend a few rows over a cached prefix");
   m.def("rows_forward", &rows_forward, "a decoder forward of a few rows over a cached prefix, own kernels only");
   m.def("rms_norm_aten", &rms_norm_aten, "transformers' fp32 RMSNorm, its operators called from C++");
+  m.def("top_logprobs", &top_logprobs, "the k largest logits of each row, as log-probabilities, and their columns");
 }

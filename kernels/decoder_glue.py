@@ -96,6 +96,13 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.
     return _extension().attend(qkv, cos, sin, keys, values, start, mask, heads, kv_heads, scale)
 
 
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of logits (rows, V) fp32, larger first (equal ones by column), as log-probabilities
+    logit - logsumexp(row): (log-probs (rows, k) fp32, columns (rows, k) int64)."""
+    logprobs, columns = _extension().top_logprobs(logits, k)
+    return logprobs, columns
+
+
 def attend_reference(qkv, cos, sin, keys, values, start, mask, heads, kv_heads, scale):
     """attend in float64 with torch operators, on copies of the cache: (output (n, heads * dim), keys, values)."""
     n, dim = cos.shape

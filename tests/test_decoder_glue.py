@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from eagle_fsd.attention import ForwardState
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.drafting import LMDrafter
-from eagle_fsd.fused_decoder import fused_decoder_forward, fused_fits
+from eagle_fsd.fused_decoder import fused_decoder_forward, fused_fits, linears
 from eagle_fsd.hf import causal_mask, decoder_forward, prefix_tree_mask
 from eagle_fsd.kernels import decoder_glue as glue
 from eagle_fsd.loading import model_run, plan_for
@@ -137,12 +137,28 @@ def test_attend_matches_float64(dtype, n, start):
     assert torch.equal(keys[:, :, start + n:], want_keys[:, :, start + n:])  # nothing past the rows written
 
 
-def test_attend_gives_a_tree_node_the_bits_of_its_branch_as_a_chain():
+@pytest.mark.parametrize("dim", [8, 48, 96, 128, 256])
+def test_attend_matches_float64_at_every_head_width(dim):
+    """Head widths through each piece of the vector loops (vectors of 16 floats, in pieces of 8, 4, 2 and 1; 8: the
+    scalar loops), slot counts that leave the last vector part empty, and scores spread past e^-87, where the
+    exponential gives 0."""
+    g = torch.Generator().manual_seed(dim)
+    n, start = 3, 37
+    qkv, cos, sin, keys, values = attend_inputs(g, n, start, heads=6, kv_heads=2, dim=dim, max_len=48)
+    mask = prefixed(random_tree(n, g)[0], start)
+    for scale in (dim ** -0.5, 40.0):
+        want, _, _ = glue.attend_reference(qkv, cos, sin, keys, values, start, mask, 6, 2, scale)
+        out = glue.attend(qkv, cos, sin, keys.clone(), values.clone(), start, mask, 6, 2, scale)
+        assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5), scale
+
+
+@pytest.mark.parametrize("dim", [32, 128])
+def test_attend_gives_a_tree_node_the_bits_of_its_branch_as_a_chain(dim):
     """Each node of a tree attended in one call equals the same node attended alone on top of a cache holding the
     prefix and its ancestors only (a plain decoding step after the branch was accepted): the same bits."""
     g = torch.Generator().manual_seed(5)
     n, start = 7, 9
-    qkv, cos, sin, keys, values = attend_inputs(g, n, start, heads=6, kv_heads=2, dim=32)
+    qkv, cos, sin, keys, values = attend_inputs(g, n, start, heads=6, kv_heads=2, dim=dim)
     tree, depths = random_tree(n, g)
     tree_keys, tree_values = keys.clone(), values.clone()
     out = glue.attend(qkv, cos, sin, tree_keys, tree_values, start, prefixed(tree, start), 6, 2, 0.125)
@@ -170,6 +186,29 @@ def test_attend_is_independent_of_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+@pytest.mark.parametrize("width", [12, 100, 1003])
+def test_top_logprobs_match_torchs_topk_and_logsumexp(k, width):
+    """Widths below one vector of 16, and with a partial last one; several rows at once."""
+    g = torch.Generator().manual_seed(width + k)
+    logits = (torch.randn(3, width, generator=g, dtype=torch.float64) * 4).float().double()
+    logprobs, columns = glue.top_logprobs(logits.float(), k)
+    want = logits.topk(k, -1)
+    assert torch.equal(columns, want.indices)
+    want_logprobs = want.values - torch.logsumexp(logits, -1, keepdim=True)
+    assert torch.allclose(logprobs.double(), want_logprobs, rtol=0, atol=2e-6)
+
+
+def test_top_logprobs_put_equal_logits_in_column_order():
+    logits = torch.zeros(1, 50)
+    logits[0, [3, 17, 40]] = 2.0  # in the first pass, in a later vector, in a vector after that
+    logits[0, 45] = 1.0
+    assert glue.top_logprobs(logits, 4)[1].tolist() == [[3, 17, 40, 45]]
+    assert glue.top_logprobs(logits[:, 4:].contiguous(), 1)[1].tolist() == [[13]]
+    with pytest.raises(RuntimeError, match="k = 51 must lie in \\[1, 50\\]"):
+        glue.top_logprobs(logits, 51)
 
 
 def test_attend_bad_inputs_name_what_was_expected():
@@ -376,7 +415,7 @@ def swap_linears_of(layer, modules):
 
 
 def test_layer_plans_call_shared_products_once_and_follow_module_swaps():
-    from eagle_fsd.fused_decoder import layer_plan, linears
+    from eagle_fsd.fused_decoder import layer_plan
 
     model = tiny_model("qwen2", seed=7)
     layer = model.get_decoder().layers[0]
@@ -391,6 +430,28 @@ def test_layer_plans_call_shared_products_once_and_follow_module_swaps():
     assert plan.qkv is None and plan.gate_up is None and plan.o is layer.self_attn.o_proj
     swap_linears_of(layer, quantized)
     assert layer_plan(layer).o is layer.self_attn.o_proj.product
+
+
+def test_the_rows_plan_follows_a_layer_swap_and_rereads_no_layer_otherwise(monkeypatch):
+    """A one-call plan is checked against the decoder's layers again only after a module was assigned somewhere: a
+    layer swapped for a float one after the plan was built sends the forward layer by layer; no swap, no layer read."""
+    import eagle_fsd.fused_decoder as fused
+    from eagle_fsd.kernels.int4_rows import int4_rows_available
+
+    if not int4_rows_available():
+        pytest.skip("no int4_rows build on this CPU: no one-call plan to follow")
+    model = tiny_model("qwen2", seed=7)
+    layer = model.get_decoder().layers[1]
+    floats = linears(layer)
+    format_weights(model, ROWS_TARGET)
+    plan = fused.rows_plan(model.get_decoder())
+    assert plan.calls is not None
+    read = []
+    monkeypatch.setattr(fused, "layer_plan", lambda layer: read.append(layer) or fused._plans[layer])
+    assert fused.rows_plan(model.get_decoder()) is plan and read == []
+    monkeypatch.undo()
+    swap_linears_of(layer, floats)
+    assert fused.rows_plan(model.get_decoder()).calls is None
 
 
 def gguf_like(model):

@@ -145,6 +145,26 @@ def test_cache_keep_compacts_to_accepted_path():
     torch.testing.assert_close(target.lm_head(h)[0], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_cache_keep_of_a_leading_chain_leaves_the_entries_in_place():
+    """keep(start, 0 .. n-1) (the accepted chain of an LM drafter's levels) gives what moving each entry gives; a
+    path that skips a slot still moves its entries."""
+    g = torch.Generator().manual_seed(3)
+    for path in ([0, 1, 2], [0, 2, 3], [1]):
+        moved, kept = TreeCache(2, 20), TreeCache(2, 20)
+        for layer in range(2):
+            keys, values = torch.randn(2, 1, 2, 9, 4, generator=g)
+            for cache in (moved, kept):
+                cache.layers[layer].update(keys.clone(), values.clone())
+        idx = torch.tensor(path)
+        for layer in moved.layers:
+            layer.keep(5, idx)
+        kept.keep(5, idx)
+        assert kept.get_seq_length() == moved.get_seq_length() == 5 + len(path)
+        for a, b in zip(kept.layers, moved.layers):
+            assert torch.equal(a.keys[:, :, :a.length], b.keys[:, :, :b.length])
+            assert torch.equal(a.values[:, :, :a.length], b.values[:, :, :b.length])
+
+
 def test_chain_tree_is_a_chain():
     tree = chain_tree(torch.tensor([5, 6, 7]))
     assert tree.parents.tolist() == [-1, 0, 1]
