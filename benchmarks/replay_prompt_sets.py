@@ -16,7 +16,7 @@ from eagle_fsd.model import EaFsdModel
 from eagle_fsd.tune.measure import MAX_DEPTH, SIZES, TuneSettings, calibration_prompts, replay_prompts, vocab_ids
 from eagle_fsd.tune.replay import tau_by_shape
 
-SHAPES = [(3, 1, 1), (4, 2, 1), (5, 3, 1), (4, 1, 2), (5, 2, 2), (5, 1, 4)]  # (n, d, k)
+SHAPES = [(3, 1, 1), (4, 2, 1), (5, 3, 1), (4, 1, 2), (5, 1, 2), (5, 2, 2), (5, 1, 4)]  # (n, d, k)
 TOP_KS, VOCABS = (1, 2, 4), (0, 37888)
 
 
