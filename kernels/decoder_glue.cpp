@@ -16,7 +16,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -490,10 +492,9 @@ std::vector<torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k) 
       float total = lane_sum(sum);
       for (; t < width; ++t) total += std::exp(x[t] - peak);
       const float lse = peak + std::log(total);
-      for (int64_t i = 0; i < k; ++i) {
-        logprobs[r][i] = best[i] - lse;
-        columns[r][i] = where[i];
-      }
+      float* row_logprobs = logprobs.data_ptr<float>() + r * k;
+      int64_t* row_columns = columns.data_ptr<int64_t>() + r * k;
+      for (int64_t i = 0; i < k; ++i) row_logprobs[i] = best[i] - lse, row_columns[i] = where[i];
     }
   });
   return {logprobs, columns};
