@@ -479,7 +479,7 @@ std::vector<torch::Tensor> top_logprobs(const torch::Tensor& logits, int64_t k) 
         best[at] = v, where[at] = j;
       };
       int64_t j = 0;
-      for (; j < std::min(k, width); ++j) consider(j);
+      for (; j < k; ++j) consider(j);  // k <= width
       for (; j + kLanes <= width; j += kLanes) {
         if (any_above(load(x + j), best[k - 1]))
           for (int64_t lane = 0; lane < kLanes; ++lane) consider(j + lane);
