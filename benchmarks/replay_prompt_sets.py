@@ -1,7 +1,9 @@
 """E[a + 1] of a few tree shapes by the tuner's exact greedy replay, on a chosen prompt set: the shipped calibration
 prompts (the first --count of them) or MT-Bench's first turns (questions --first .. --first + --count), for the Qwen
 preset and its 0.5B drafter as the engine loads them (no timing: the figures are the same on any quiet or busy
-machine). What the tuner's estimate depends on: which prompts it replays, and how many tokens of each.
+machine). What the tuner's estimate depends on: which prompts it replays, and how many tokens of each. With --head H
+it also reports E[a + 1] over each continuation's first H replayed positions and over the rest (does an answer's
+opening predict as well as what follows it?).
 
     python benchmarks/replay_prompt_sets.py calibration --count 2 --new-tokens 64
     python benchmarks/replay_prompt_sets.py mtbench --count 10 --new-tokens 128 --json out.json
@@ -20,12 +22,18 @@ SHAPES = [(3, 1, 1), (4, 2, 1), (5, 3, 1), (4, 1, 2), (5, 1, 2), (5, 2, 2), (5, 
 TOP_KS, VOCABS = (1, 2, 4), (0, 37888)
 
 
+def shapes_tau(rows, continuations, vocabs) -> dict:
+    tau, _ = tau_by_shape(rows, continuations, vocabs, TOP_KS, MAX_DEPTH)
+    return {f"{n}/{d}/{k}/{v}": round(tau[(n, d, k, v)], 3) for n, d, k in SHAPES for v in VOCABS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prompts", choices=("calibration", "mtbench"))
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--count", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--head", type=int, default=0, help="also E[a + 1] over the first H positions and the rest")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -42,10 +50,16 @@ def main() -> None:
     with torch.no_grad():
         plain = [model.naive_generate(x[None], max_new_tokens=args.new_tokens, return_dict=True) for x in ids]
         rows, _, continuations = replay_prompts(model, ids, plain, TOP_KS, settings, sizes, progress=True)
-    tau, _ = tau_by_shape(rows, continuations, vocabs, TOP_KS, MAX_DEPTH)
     result = {"prompts": args.prompts, "first": args.first, "count": len(ids), "new_tokens": args.new_tokens,
-              "positions": sum(len(r) for r in rows),
-              "tau": {f"{n}/{d}/{k}/{v}": round(tau[(n, d, k, v)], 3) for n, d, k in SHAPES for v in VOCABS}}
+              "positions": sum(len(r) for r in rows), "tau": shapes_tau(rows, continuations, vocabs)}
+    if args.head:  # rows[j] is position j of a continuation: a window keeps rows and continuation aligned
+        head = [(r[:args.head], g[:args.head + MAX_DEPTH + 1]) for r, g in zip(rows, continuations)]
+        tail = [(r[args.head:], g[args.head:]) for r, g in zip(rows, continuations) if len(r) > args.head]
+        for name, window in (("head", head), ("tail", tail)):
+            result[f"{name}_positions"] = sum(len(r) for r, _ in window)
+            result[f"tau_{name}"] = shapes_tau([r for r, _ in window], [g for _, g in window], vocabs)
+    # per prompt: how far one prompt's acceptance sits from the set's (what a few prompts' estimate swings by)
+    result["tau_per_prompt"] = [shapes_tau([r], [g], vocabs) for r, g in zip(rows, continuations)]
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
