@@ -47,6 +47,23 @@ void configure(int m) {
   _tile_loadconfig(&c);
 }
 
+// c[h] (m x 16) = a (m, k) times column block 2 p + h of the packed weights, with the tiles configured for m rows
+void pair_products(const int8_t* a, int64_t k, const int8_t* packed, int64_t chunks, int64_t p, int32_t (*c)[256]) {
+  const int8_t* b0 = packed + (2 * p) * chunks * 1024;
+  const int8_t* b1 = b0 + chunks * 1024;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t t = 0; t < chunks; ++t) {
+    _tile_loadd(2, a + 64 * t, k);
+    _tile_loadd(3, b0 + 1024 * t, 64);
+    _tile_loadd(4, b1 + 1024 * t, 64);
+    _tile_dpbssd(0, 2, 3);
+    _tile_dpbssd(1, 2, 4);
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+}
+
 // y (m, n) = (a * ascale) (w * wscale)^T with w packed as (n / 16, k / 64, 16, 64): B[r][4 c + i] = w[16 b + c][64 t
 // + 4 r + i]; a (m <= 16, k) int8, every row rounded on its own scale.
 torch::Tensor amx_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor wscale) {
@@ -70,19 +87,7 @@ torch::Tensor amx_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor wsca
     configure(static_cast<int>(m));
     alignas(64) int32_t c[2][16 * 16];
     for (int64_t p = begin; p < end; ++p) {
-      const int8_t* b0 = wp + (2 * p) * chunks * 1024;
-      const int8_t* b1 = b0 + chunks * 1024;
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t t = 0; t < chunks; ++t) {
-        _tile_loadd(2, ap + 64 * t, k);
-        _tile_loadd(3, b0 + 1024 * t, 64);
-        _tile_loadd(4, b1 + 1024 * t, 64);
-        _tile_dpbssd(0, 2, 3);
-        _tile_dpbssd(1, 2, 4);
-      }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
+      pair_products(ap, k, wp, chunks, p, c);
       for (int h = 0; h < 2; ++h)
         for (int64_t i = 0; i < m; ++i)
           for (int j = 0; j < 16; ++j) {
@@ -97,26 +102,16 @@ torch::Tensor amx_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor wsca
 
 // the int32 products alone, for the exactness check
 torch::Tensor amx_int32(torch::Tensor a, torch::Tensor packed) {
-  const int64_t m = a.size(0), k = a.size(1), blocks = packed.size(0), chunks = k / 64;
+  const int64_t m = a.size(0), k = a.size(1), blocks = packed.size(0);
   auto y = torch::empty({m, blocks * 16}, torch::kInt32);
+  int32_t* yp = y.data_ptr<int32_t>();
   configure(static_cast<int>(m));
   alignas(64) int32_t c[2][16 * 16];
   for (int64_t p = 0; p < blocks / 2; ++p) {
-    const int8_t* b0 = packed.data_ptr<int8_t>() + (2 * p) * chunks * 1024;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t t = 0; t < chunks; ++t) {
-      _tile_loadd(2, a.data_ptr<int8_t>() + 64 * t, k);
-      _tile_loadd(3, b0 + 1024 * t, 64);
-      _tile_loadd(4, b0 + chunks * 1024 + 1024 * t, 64);
-      _tile_dpbssd(0, 2, 3);
-      _tile_dpbssd(1, 2, 4);
-    }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
+    pair_products(a.data_ptr<int8_t>(), k, packed.data_ptr<int8_t>(), k / 64, p, c);
     for (int h = 0; h < 2; ++h)
       for (int64_t i = 0; i < m; ++i)
-        for (int j = 0; j < 16; ++j) y[i][32 * p + 16 * h + j] = c[h][16 * i + j];
+        for (int j = 0; j < 16; ++j) yp[i * blocks * 16 + 32 * p + 16 * h + j] = c[h][16 * i + j];
   }
   _tile_release();
   return y;
