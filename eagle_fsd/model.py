@@ -338,10 +338,7 @@ class EaFsdModel(torch.nn.Module):
         step = fsd_accept(tree, logits, choose_tokens(logits, request.processor), request.fsd, self.vocab_size,
                           request.processor, emitted, request.stop_ids)
         steps.lap("accept")
-        if step.path_is_prefix:  # the accepted nodes already sit at committed .. committed + a
-            cache.crop(committed + step.accept_length + 1)
-        else:
-            cache.keep(committed, step.path)
+        cache.keep(committed, step.path)  # a path 0..a already in place is only cropped to it
         steps.lap("cache")
         return step, features
 

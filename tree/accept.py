@@ -40,7 +40,6 @@ class Step:
     fuzzy: int                # accepted draft tokens the lossless rule would have rejected
     divergences: list[float]  # D at each node on the path that has children (NaN where not computed)
     fuzzy_mask: list[bool]    # per emitted token: accepted only by the FSD rule (next_token never is)
-    path_is_prefix: bool = False  # path == 0..accept_length: the cache already holds it in place
 
 
 class PathSummary(NamedTuple):
@@ -109,7 +108,7 @@ def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None =
     divergences: (n,) per-node D, reported along the path. One host sync per call."""
     if tree.size == 1:  # a root alone (plain decoding): its choice is the next token
         return Step(path=tree.depths.new_zeros(1), next_token=choice[0], accept_length=0, tokens=[int(choice[0])],
-                    fuzzy=0, divergences=[math.nan], fuzzy_mask=[False], path_is_prefix=True)
+                    fuzzy=0, divergences=[math.nan], fuzzy_mask=[False])
     unrelaxed = choice if target_choice is None else target_choice
     summary = summarise_path(tree, choice, accepted_mask(tree, choice, blocked), unrelaxed, divergences)
     host = to_host(summary)
@@ -118,7 +117,7 @@ def accept(tree: DraftTree, choice: torch.Tensor, blocked: torch.Tensor | None =
     fuzzy_mask = [bool(f) for f in host.fuzzy[1: a + 1].tolist()] + [False]
     return Step(path=tree.ancestors[summary.deepest][: a + 1], next_token=summary.next_token, accept_length=a,
                 tokens=tokens, fuzzy=sum(fuzzy_mask), divergences=host.divergences[: a + 1].tolist(),
-                fuzzy_mask=fuzzy_mask, path_is_prefix=int(host.deepest) == a)  # ids 0..a end at a only if 0..a
+                fuzzy_mask=fuzzy_mask)
 
 
 def acceptance_by_depth(accept_lengths: list[int]) -> list[float]:
