@@ -122,6 +122,27 @@ def test_accepted_lengths_equal_select_tree_then_accept(k, levels):
             assert accept(tree, choice).accept_length == a, (n, d)
 
 
+def test_tau_pools_steps_over_prompts_and_skips_a_prompt_without_positions():
+    """E[a + 1] of a workload is its tokens over its steps: a prompt the drafter reads perfectly (a = 2 everywhere,
+    3 tokens a step) and one it never reads (1 token a step), 12 positions each, take 4 + 12 steps for 24 tokens:
+    1.5, not the prompts' mean 2.0. A prompt answered too briefly to replay (no rows) neither counts nor hides
+    the others."""
+    key, continuation = (3, 1, 1), list(range(20))
+    perfect, never = [{key: 2}] * 12, [{key: 0}] * 12
+    tau, _ = tune.tau_by_shape([[], perfect, never], [continuation[:3], continuation, continuation], {0: None}, (1,), 1)
+    assert tau == {(3, 1, 1, 0): 24 / 16}
+    assert tune.walk(perfect, key) == (12, 4) and tune.walk(never, key) == (12, 12)
+
+
+def test_the_tuner_reads_every_shipped_calibration_prompt():
+    """The default settings replay all of eagle_fsd/calibration.json, prompts of many kinds of request: the
+    E[a + 1] of a few swings with which ones they are."""
+    from eagle_fsd.tune.measure import CALIBRATION_FILE
+
+    shipped = json.loads(CALIBRATION_FILE.read_text())["prompts"]
+    assert tune.TuneSettings().prompts == len(shipped) >= 12 and len(set(shipped)) == len(shipped)
+
+
 def noisy_copy(model, scale, seed):
     torch.manual_seed(seed)
     copy = tiny_model("llama", seed=1)

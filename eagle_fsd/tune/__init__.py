@@ -36,7 +36,8 @@ from eagle_fsd.tune.measure import (CALIBRATION_FILE, MAX_DEPTH, SIZES, TOP_KS, 
                                     calibration_prompts, check_costs, device_name, measure, measure_costs,
                                     measure_overhead, timed_rounds)
 from eagle_fsd.tune.profile import CostProfile, Tuning, choose_shape, describe, tuning_from
-from eagle_fsd.tune.replay import accepted_lengths, accepted_path, cut_to_vocab, replay, target_hidden, walk_tau
+from eagle_fsd.tune.replay import (accepted_lengths, accepted_path, cut_to_vocab, replay, tau_by_shape, target_hidden,
+                                   walk)
 from eagle_fsd.tune.store import TUNE_VERSION, autotune, cache_key, cache_path, load_or_measure, read_profile
 
 __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "CostProfile", "DraftSetup",
@@ -45,4 +46,4 @@ __all__ = ["CALIBRATION_FILE", "MAX_DEPTH", "SIZES", "TOP_KS", "TUNE_VERSION", "
            "cpu_class", "cut_to_vocab", "describe", "device_name", "fastest_kind", "load_or_measure", "measure",
            "measure_costs", "measure_overhead", "native_bf16", "read_profile", "replay",
            "resolve_draft_quant", "resolve_dtype", "resolve_prepack", "resolve_target_quant", "target_hidden",
-           "target_quant_choice", "timed_rounds", "tuning_from", "walk_tau"]
+           "target_quant_choice", "tau_by_shape", "timed_rounds", "tuning_from", "walk"]

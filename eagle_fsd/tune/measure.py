@@ -43,7 +43,7 @@ class TuneSettings:
     rounds: timing repeats; on a busy machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait
     seconds, up to retries times; timing_context / short_context: the two cache lengths the costs are timed at."""
 
-    prompts: int = 6
+    prompts: int = 12  # every shipped calibration prompt
     new_tokens: int = 64
     top_ks: tuple[int, ...] | None = None
     max_depth: int = MAX_DEPTH

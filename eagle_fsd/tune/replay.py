@@ -58,13 +58,13 @@ def accepted_lengths(pool, continuation: list[int], sizes, depths) -> dict[tuple
     return out
 
 
-def walk_tau(lengths: list[dict], key) -> float:
-    """Tokens per step when decoding steps start at 0, then after each step's a + 1 tokens."""
+def walk(lengths: list[dict], key) -> tuple[int, int]:
+    """(tokens, steps) when decoding steps start at 0, then after each step's a + 1 tokens."""
     j = steps = tokens = 0
     while j < len(lengths):
         a = lengths[j][key]
         steps, tokens, j = steps + 1, tokens + a + 1, j + a + 1
-    return tokens / max(steps, 1)
+    return tokens, steps
 
 
 def cut_to_vocab(rows: list[dict], continuation: list[int], allowed: set | None) -> list[dict]:
@@ -132,15 +132,18 @@ def acceptance_per_depth(rows: list[list[dict]], key) -> list[float]:
 
 
 def tau_by_shape(rows: list[list[dict]], continuations: list[list[int]], vocabs: dict, top_ks, max_depth: int):
-    """E[a + 1] of every shape (n, d, k, v), and the per-depth acceptance of the biggest tree of each (k, v)."""
+    """E[a + 1] of every shape (n, d, k, v), and the per-depth acceptance of the biggest tree of each (k, v).
+    E[a + 1] is tokens over steps of all the prompts' walks together: time per token goes as 1 / E[a + 1], so a
+    workload's speed is that of its pooled steps, not of the mean of its prompts' E[a + 1]."""
     tau, by_depth = {}, {}
     for v, v_ids in vocabs.items():
         # a reduced vocabulary cannot propose a token outside it: the accepted path stops before the first one
         allowed = None if v_ids is None else set(v_ids.tolist())
         rows_v = [cut_to_vocab(r, g, allowed) for r, g in zip(rows, continuations)]
-        for key in rows_v[0][0] if rows_v and rows_v[0] else []:
-            steps = [walk_tau(r, key) for r in rows_v if r]
-            tau[(*key, v)] = sum(steps) / len(steps)
+        replayed = next((r for r in rows_v if r), [{}])  # a prompt answered in under max_depth + 1 tokens has none
+        for key in replayed[0]:
+            walks = [walk(r, key) for r in rows_v if r]
+            tau[(*key, v)] = sum(t for t, _ in walks) / max(sum(s for _, s in walks), 1)
         for k in top_ks:
             biggest = max((s for s in tau if s[1] == max_depth and s[2] == k and s[3] == v), default=None)
             if biggest is not None:
