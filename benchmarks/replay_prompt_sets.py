@@ -15,8 +15,8 @@ import torch
 
 from eagle_fsd.eval.bench import prompts as mtbench_prompts
 from eagle_fsd.model import EaFsdModel
-from eagle_fsd.tune.measure import MAX_DEPTH, SIZES, TuneSettings, calibration_prompts, replay_prompts, vocab_ids
-from eagle_fsd.tune.replay import tau_by_shape
+from eagle_fsd.tune.measure import MAX_DEPTH, SIZES, TuneSettings, calibration_prompts, vocab_ids
+from eagle_fsd.tune.replay import replay_prompts, tau_by_shape
 
 SHAPES = [(3, 1, 1), (4, 2, 1), (5, 3, 1), (4, 1, 2), (5, 1, 2), (5, 2, 2), (5, 1, 4)]  # (n, d, k)
 TOP_KS, VOCABS = (1, 2, 4), (0, 37888)

@@ -108,7 +108,8 @@ def test_profile_that_holds_is_kept():
 def test_costs_are_timed_at_two_contexts_and_checked_on_the_long_one(monkeypatch):
     """Attention over the cache grows with the context: the tuner times every cost on contexts of
     settings.timing_context and settings.short_context tokens (at most half the model's) and keeps the slope
-    between them per cost; the check at load times on the long one."""
+    between them per cost; the target forwards of both contexts share one round-robin (a machine's drift between
+    two passes would read as a slope); the check at load times on the long one."""
     import sys
     from dataclasses import replace
 
@@ -116,24 +117,30 @@ def test_costs_are_timed_at_two_contexts_and_checked_on_the_long_one(monkeypatch
 
     model = tiny_pair()
     settings = replace(SETTINGS, timing_context=48, short_context=16, retries=0)  # one timing per context
-    timed = []
-    real = tuner.measure_costs
+    timed, rounds = [], []
+    real, real_rounds = tuner.measure_costs, tuner.timed_rounds
 
-    def spy(model, context, *args, **kwargs):
-        costs = real(model, context, *args, **kwargs)
-        timed.append((context.numel(), costs))
+    def spy(model, contexts, *args, **kwargs):
+        costs = real(model, contexts, *args, **kwargs)
+        timed.append(([c.numel() for c in contexts], costs))
         return costs
 
+    def spy_rounds(fns, *args, **kwargs):
+        rounds.append(set(fns))
+        return real_rounds(fns, *args, **kwargs)
+
     monkeypatch.setattr(tuner, "measure_costs", spy)
+    monkeypatch.setattr(tuner, "timed_rounds", spy_rounds)
     profile = tune.measure(model, settings, progress=False)
-    (long_at, long_costs), (short_at, short_costs) = timed
-    assert (long_at, short_at, profile.context_tokens) == (48, 16, 48)
+    [(at, (long_costs, short_costs))] = timed
+    assert (at, profile.context_tokens) == ([48, 16], 48)
+    assert {(i, n) for i in (0, 1) for n in profile.verify_ms} in rounds
     assert profile.verify_ms == long_costs[0]
     for slopes, long, short in zip((profile.verify_slope, profile.level_slope, profile.extend_slope), long_costs,
                                    short_costs):
         assert slopes == pytest.approx({key: (long[key] - short[key]) / 32 for key in long})
     tune.check_costs(model, profile, margin=float("inf"), settings=settings)
-    assert [at for at, _ in timed[2:]] == [48]
+    assert [at for at, _ in timed[1:]] == [[48]]
     assert tuner.timing_context(model, replace(SETTINGS, timing_context=10_000)).numel() == 256  # 512 positions
 
 

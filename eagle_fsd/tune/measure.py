@@ -18,7 +18,7 @@ from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import causal_mask, decoder_forward
 from eagle_fsd.tree.shape import TreeShape
 from eagle_fsd.tune.profile import CostProfile, choose_shape
-from eagle_fsd.tune.replay import RANKS, replay, target_hidden, tau_by_shape
+from eagle_fsd.tune.replay import RANKS, replay_prompts, target_hidden, tau_by_shape
 from eagle_fsd.tune.trust import TimingWatch
 
 SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # candidate total_token (tree nodes, root included)
@@ -37,11 +37,10 @@ CALIBRATION_FILE = Path(__file__).parent.parent / "calibration.json"
 class TuneSettings:
     """How much the tuner measures. Up to prompts x new_tokens calibration positions (the tree replay reads fewer
     positions of each prompt for an expensive drafter, to keep it near replay_seconds; the rules' replay reads them
-    all); top_ks /
-    max_depth / sizes bound the shapes tried (top_ks None: chosen from the drafter's cost); vocabs None: the full
-    vocabulary plus the reduced sizes of vocab.candidate_sizes when a frequency table exists for the tokenizer;
-    rounds: timing repeats; on a busy machine (eagle_fsd.tune.trust) the costs are timed again after busy_wait
-    seconds, up to retries times; timing_context / short_context: the two cache lengths the costs are timed at."""
+    all); top_ks / max_depth / sizes bound the shapes tried (top_ks None: chosen from the drafter's cost); vocabs
+    None: the full vocabulary plus the reduced sizes of vocab.candidate_sizes when a frequency table exists for the
+    tokenizer; rounds: timing repeats; on a busy machine (eagle_fsd.tune.trust) the costs are timed again after
+    busy_wait seconds, up to retries times; timing_context / short_context: the cache lengths costs are timed at."""
 
     prompts: int = 12  # every shipped calibration prompt
     new_tokens: int = 64
@@ -137,41 +136,45 @@ def new_watch(model) -> TimingWatch:
     return TimingWatch(torch.get_num_threads(), on_cpu=model.base_model.device.type == "cpu")
 
 
-def measure_costs(model, context: torch.Tensor, sizes, top_ks, vocabs: dict, rounds: int,
-                  watch: TimingWatch | None = None):
-    """verify_ms per tree size, level_ms per (k, v), extend_ms per v; draft forwards run between the timed
-    target forwards, as in the engine (they evict the target's weights from the caches)."""
-    target, drafter = model.base_model, model.drafter
-    device, run = target.device, model.plan.target
-    ctx = context.to(device)
-    hidden = target_hidden(model, ctx)
-    cache = TreeCache.for_model(target, ctx.numel() + max(sizes), model.plan.target)
-    decoder_forward(target, ctx, cache, causal_mask(0, ctx.numel(), device), torch.arange(ctx.numel(), device=device),
-                    run)
-    base = ctx.numel()
-    new = ctx[-1:].repeat(max(sizes))
-    lm_head = target.get_output_embeddings()
+def measure_costs(model, contexts: list[torch.Tensor], sizes, top_ks, vocabs: dict, rounds: int,
+                  watch: TimingWatch | None = None) -> list[tuple[dict, dict, dict]]:
+    """(verify_ms per tree size, level_ms per (k, v), extend_ms per v) at each of `contexts`, in their order. The
+    target forwards of every context are timed in one round-robin, so that a shared machine's drift moves them alike
+    and their differences (CostProfile's slopes) stay the context's; draft forwards run between the timed target
+    forwards, as in the engine (they evict the target's weights from the caches)."""
+    target, drafter, run = model.base_model, model.drafter, model.plan.target
+    device, lm_head, primed = target.device, target.get_output_embeddings(), []
+    for context in contexts:
+        ctx = context.to(device)
+        cache = TreeCache.for_model(target, ctx.numel() + max(sizes), run)
+        decoder_forward(target, ctx, cache, causal_mask(0, ctx.numel(), device),
+                        torch.arange(ctx.numel(), device=device), run)
+        primed.append((ctx, target_hidden(model, ctx), cache))
 
-    def verify(n):
-        lm_head(decoder_forward(target, new[:n], cache, causal_mask(base, n, device),
+    def verify(i, n):
+        (ctx, _, cache), base = primed[i], primed[i][0].numel()
+        lm_head(decoder_forward(target, ctx[-1:].repeat(n), cache, causal_mask(base, n, device),
                                 base + torch.arange(n, device=device), run))
         cache.crop(base)
 
-    setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
-    verify(1)
-    verify_ms = timed_rounds({n: (lambda n=n: verify(n)) for n in sizes}, rounds, before=lambda: setup.level(1),
-                             watch=watch)
-    level_ms, extend_ms = {}, {}
-    for v, ids in vocabs.items():
-        with drafter.drafting_over(ids):
-            setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
-            fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
-            fns["extend"] = setup.extend
-            setup.level(1)
-            timed = timed_rounds(fns, rounds, before=lambda: verify(1), watch=watch)
-        extend_ms[v] = timed.pop("extend")
-        level_ms.update({(k, v): t for (_, k), t in timed.items()})
-    return verify_ms, level_ms, extend_ms
+    setup = DraftSetup(drafter, primed[0][0], primed[0][1], room=16 + 2 * max(top_ks))
+    verify(0, 1)
+    verify_ms = timed_rounds({(i, n): (lambda i=i, n=n: verify(i, n)) for i in range(len(primed)) for n in sizes},
+                             rounds, before=lambda: setup.level(1), watch=watch)
+    costs = []
+    for i, (ctx, hidden, _) in enumerate(primed):  # the drafter holds one context at a time: timed one by one
+        level_ms, extend_ms = {}, {}
+        for v, ids in vocabs.items():
+            with drafter.drafting_over(ids):
+                setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
+                fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
+                fns["extend"] = setup.extend
+                setup.level(1)
+                timed = timed_rounds(fns, rounds, before=lambda i=i: verify(i, 1), watch=watch)
+            extend_ms[v] = timed.pop("extend")
+            level_ms.update({(k, v): t for (_, k), t in timed.items()})
+        costs.append(({n: verify_ms[(i, n)] for n in sizes}, level_ms, extend_ms))
+    return costs
 
 
 def device_name(device: torch.device) -> str:
@@ -225,23 +228,6 @@ def plain_loop_ms(plain: list) -> float:
     return 1000 * sum(sum(o.phase_seconds.values()) - o.phase_seconds["verify"] for o in plain) / steps
 
 
-def replay_prompts(model, ids, plain, top_ks, settings: TuneSettings, sizes, progress: bool,
-                   positions: int | None = None):
-    """Replay rows and root ranks over every prompt's greedy continuation (its first `positions`), and those."""
-    from tqdm import tqdm
-
-    rows, ranks, continuations = [], [], []
-    per_prompt = min(max(settings.new_tokens - settings.max_depth - 1, 1), positions or settings.new_tokens)
-    with tqdm(total=len(ids) * per_prompt, desc="eagle-fsd tune: acceptance replay", disable=not progress,
-              file=sys.stderr) as bar:
-        for x, out in zip(ids, plain):
-            continuations.append(out.sequences[0, x.numel():].tolist())
-            r, rk = replay(model, x, out.sequences[0, x.numel():], top_ks, settings.max_depth, sizes, bar, positions)
-            rows.append(r)
-            ranks += rk
-    return rows, ranks, continuations
-
-
 def measure(model, settings: TuneSettings | None = None, progress: bool = True) -> CostProfile:
     """Measure a CostProfile for `model` (an EaFsdModel with a drafter) on this machine."""
     settings = settings or TuneSettings()
@@ -278,28 +264,27 @@ def measure(model, settings: TuneSettings | None = None, progress: bool = True) 
 
 
 def timed_costs(model, sizes, top_ks, vocabs, settings: TuneSettings, progress: bool):
-    """The costs timed at settings.timing_context cached tokens and again at settings.short_context: ((verify_ms,
+    """The costs timed at settings.timing_context cached tokens and at settings.short_context: ((verify_ms,
     level_ms, extend_ms) at the long one, their slopes in ms per cached token (CostProfile's verify_slope,
-    level_slope, extend_slope; empty when the model's context leaves no room for two), the long context's length,
-    the watch of its timing)."""
+    level_slope, extend_slope; empty when the model's context leaves no room for two), its length, the watch)."""
     context = timing_context(model, settings)
-    costs, watch = costs_when_quiet(model, context, sizes, top_ks, vocabs, settings, progress)
     short = timing_context(model, settings, settings.short_context)
-    if short.numel() >= context.numel():
+    contexts = [context] + ([short] if short.numel() < context.numel() else [])
+    (costs, *others), watch = costs_when_quiet(model, contexts, sizes, top_ks, vocabs, settings, progress)
+    if not others:
         return costs, {}, context.numel(), watch
-    short_costs, _ = costs_when_quiet(model, short, sizes, top_ks, vocabs, settings, progress)
     span = context.numel() - short.numel()
     slopes = {name: {key: (long[key] - brief[key]) / span for key in long}
-              for name, long, brief in zip(("verify_slope", "level_slope", "extend_slope"), costs, short_costs)}
+              for name, long, brief in zip(("verify_slope", "level_slope", "extend_slope"), costs, others[0])}
     return costs, slopes, context.numel(), watch
 
 
-def costs_when_quiet(model, context, sizes, top_ks, vocabs, settings: TuneSettings, progress: bool):
+def costs_when_quiet(model, contexts, sizes, top_ks, vocabs, settings: TuneSettings, progress: bool):
     """measure_costs, timed again after a pause while the machine looks busy (up to settings.retries times):
-    ((verify_ms, level_ms, extend_ms), the watch of the attempt kept)."""
+    ([(verify_ms, level_ms, extend_ms) per context], the watch of the attempt kept)."""
     for attempt in range(settings.retries + 1):
         watch = new_watch(model)
-        costs = measure_costs(model, context, sizes, top_ks, vocabs, settings.rounds, watch)
+        costs = measure_costs(model, contexts, sizes, top_ks, vocabs, settings.rounds, watch)
         busy = watch.busy_reason()
         if busy is None or attempt == settings.retries:
             return costs, watch
@@ -324,7 +309,8 @@ def check_costs(model, profile: CostProfile, margin: float = 1.25, rounds: int =
     with torch.no_grad():
         run = model.naive_generate(prompt[None], max_new_tokens=24, return_dict=True)
         context = timing_context(model, settings)  # where the profile's costs were timed
-        verify_ms, level_ms, _ = measure_costs(model, context, (1, n), (k,), {v: vocab_ids(model, v)}, rounds, watch)
+        verify_ms, level_ms, _ = measure_costs(model, [context], (1, n), (k,), {v: vocab_ids(model, v)}, rounds,
+                                               watch)[0]
     busy = watch.busy_reason()
     if busy is not None:
         return profile, f"not checked: the machine is busy now ({busy})"

@@ -7,6 +7,8 @@ every depth and size.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from eagle_fsd.cache import TreeCache
@@ -149,3 +151,21 @@ def tau_by_shape(rows: list[list[dict]], continuations: list[list[int]], vocabs:
             if biggest is not None:
                 by_depth[(k, v)] = acceptance_per_depth(rows_v, biggest[:3])
     return tau, by_depth
+
+
+def replay_prompts(model, ids, plain, top_ks, settings, sizes, progress: bool,
+                   positions: int | None = None):
+    """Replay rows and root ranks over every prompt's greedy continuation (its first `positions`), and those
+    continuations; settings: the tuner's TuneSettings (new_tokens, max_depth)."""
+    from tqdm import tqdm
+
+    rows, ranks, continuations = [], [], []
+    per_prompt = min(max(settings.new_tokens - settings.max_depth - 1, 1), positions or settings.new_tokens)
+    with tqdm(total=len(ids) * per_prompt, desc="eagle-fsd tune: acceptance replay", disable=not progress,
+              file=sys.stderr) as bar:
+        for x, out in zip(ids, plain):
+            continuations.append(out.sequences[0, x.numel():].tolist())
+            r, rk = replay(model, x, out.sequences[0, x.numel():], top_ks, settings.max_depth, sizes, bar, positions)
+            rows.append(r)
+            ranks += rk
+    return rows, ranks, continuations
