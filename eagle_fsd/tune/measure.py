@@ -149,11 +149,11 @@ def measure_costs(model, contexts: list[torch.Tensor], sizes, top_ks, vocabs: di
         cache = TreeCache.for_model(target, ctx.numel() + max(sizes), run)
         decoder_forward(target, ctx, cache, causal_mask(0, ctx.numel(), device),
                         torch.arange(ctx.numel(), device=device), run)
-        primed.append((ctx, target_hidden(model, ctx), cache))
+        primed.append((ctx, target_hidden(model, ctx), cache, ctx[-1:].repeat(max(sizes))))
 
     def verify(i, n):
-        (ctx, _, cache), base = primed[i], primed[i][0].numel()
-        lm_head(decoder_forward(target, ctx[-1:].repeat(n), cache, causal_mask(base, n, device),
+        (ctx, _, cache, new), base = primed[i], primed[i][0].numel()
+        lm_head(decoder_forward(target, new[:n], cache, causal_mask(base, n, device),
                                 base + torch.arange(n, device=device), run))
         cache.crop(base)
 
@@ -162,7 +162,7 @@ def measure_costs(model, contexts: list[torch.Tensor], sizes, top_ks, vocabs: di
     verify_ms = timed_rounds({(i, n): (lambda i=i, n=n: verify(i, n)) for i in range(len(primed)) for n in sizes},
                              rounds, before=lambda: setup.level(1), watch=watch)
     costs = []
-    for i, (ctx, hidden, _) in enumerate(primed):  # the drafter holds one context at a time: timed one by one
+    for i, (ctx, hidden, _, _) in enumerate(primed):  # the drafter holds one context at a time: timed one by one
         level_ms, extend_ms = {}, {}
         for v, ids in vocabs.items():
             with drafter.drafting_over(ids):
