@@ -144,6 +144,36 @@ def test_costs_are_timed_at_two_contexts_and_checked_on_the_long_one(monkeypatch
     assert tuner.timing_context(model, replace(SETTINGS, timing_context=10_000)).numel() == 256  # 512 positions
 
 
+def test_drafting_costs_are_read_on_the_target_passs_clock(monkeypatch):
+    """The drafter's forwards are timed in a pass of their own, which times the target's one-token forward again: a
+    drafting cost is its ratio to that forward in its pass, on the clock of the target's pass. Here the drafter's
+    pass ran while the machine was slower (t_verify(1) 20 ms there, 12 in the target's pass): its 8 ms read as 4.8."""
+    import sys
+
+    tuner = sys.modules["eagle_fsd.tune.measure"]
+    passes = []
+
+    def machine(fns, rounds, before=None, watch=None):
+        passes.append(before)
+        if "one token" in fns:  # the drafter's pass
+            return {key: 20.0 if key == "one token" else 8.0 for key in fns}
+        return {key: {1: 12.0, 2: 14.0, 4: 40.0}[key[1]] for key in fns}  # the target's pass
+
+    monkeypatch.setattr(tuner, "timed_rounds", machine)
+    [(verify, level, extend)] = tuner.measure_costs(tiny_pair(), [torch.arange(3, 27)], (1, 2, 4), (1, 2), {0: None},
+                                                    1)
+    assert verify == {1: 12.0, 2: 14.0, 4: 40.0}
+    assert level == pytest.approx({(1, 0): 4.8, (2, 0): 4.8}) and extend == pytest.approx({0: 4.8})
+    assert set(passes[1]) == {("level", 1), ("level", 2), "extend", "one token"}  # each key's own eviction
+
+
+def test_timed_rounds_runs_each_keys_own_before():
+    calls = []
+    tune.timed_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2,
+                      before={"a": lambda: calls.append("before a"), "b": None})
+    assert calls == ["before a", "a", "b"] * 2
+
+
 def test_guard_takes_t_plain_from_the_plain_steps_it_runs():
     """A profile that says verification costs 3x what it does (t_verify(1) 300 ms, the machine's 100 ms) and starts
     in plain decoding: the plain steps measure t_plain, and speculation that pays is kept when it is probed."""

@@ -64,14 +64,15 @@ def _sync():
 
 def timed_rounds(fns: dict, rounds: int, before=None, watch: TimingWatch | None = None) -> dict:
     """Median ms of each fn, measured round-robin (every round times each fn once), so that slow drift of a
-    shared machine hits all of them alike. `before` runs untimed ahead of each call (e.g. evicting caches).
-    `watch` records the CPU share and the spread of the rounds (eagle_fsd.tune.trust)."""
+    shared machine hits all of them alike. `before` (one callable, or one per key) runs untimed ahead of each call
+    (e.g. evicting caches). `watch` records the CPU share and the spread of the rounds (eagle_fsd.tune.trust)."""
     times = {key: [] for key in fns}
+    befores = before if isinstance(before, dict) else dict.fromkeys(fns, before)
     started = watch.start() if watch is not None else None
     for _ in range(rounds):
         for key, fn in fns.items():
-            if before is not None:
-                before()
+            if befores.get(key) is not None:
+                befores[key]()
             _sync()
             start = time.perf_counter()
             fn()
@@ -141,7 +142,10 @@ def measure_costs(model, contexts: list[torch.Tensor], sizes, top_ks, vocabs: di
     """(verify_ms per tree size, level_ms per (k, v), extend_ms per v) at each of `contexts`, in their order. The
     target forwards of every context are timed in one round-robin, so that a shared machine's drift moves them alike
     and their differences (CostProfile's slopes) stay the context's; draft forwards run between the timed target
-    forwards, as in the engine (they evict the target's weights from the caches)."""
+    forwards, as in the engine (they evict the target's weights from the caches). The drafter's forwards are timed in
+    passes of their own (one per context and vocabulary), each beside t_verify(1) again: a drafter cost is taken as
+    t_draft · t_verify(1) / t_verify(1)', its ratio to the target's one-token forward in that pass on the clock of
+    the target's pass, so that drift between passes does not move a drafting cost against verification's."""
     target, drafter, run = model.base_model, model.drafter, model.plan.target
     device, lm_head, primed = target.device, target.get_output_embeddings(), []
     for context in contexts:
@@ -163,17 +167,21 @@ def measure_costs(model, contexts: list[torch.Tensor], sizes, top_ks, vocabs: di
                              rounds, before=lambda: setup.level(1), watch=watch)
     costs = []
     for i, (ctx, hidden, _, _) in enumerate(primed):  # the drafter holds one context at a time: timed one by one
+        fitted = {n: verify_ms[(i, n)] for n in sizes}
         level_ms, extend_ms = {}, {}
         for v, ids in vocabs.items():
             with drafter.drafting_over(ids):
                 setup = DraftSetup(drafter, ctx, hidden, room=16 + 2 * max(top_ks))
                 fns = {("level", k): (lambda k=k: setup.level(k)) for k in top_ks}
                 fns["extend"] = setup.extend
+                fns["one token"] = lambda i=i: verify(i, 1)  # the target's t_verify(1), timed again in this pass
+                befores = {key: lambda i=i: verify(i, 1) for key in fns} | {"one token": lambda: setup.level(1)}
                 setup.level(1)
-                timed = timed_rounds(fns, rounds, before=lambda i=i: verify(i, 1), watch=watch)
-            extend_ms[v] = timed.pop("extend")
-            level_ms.update({(k, v): t for (_, k), t in timed.items()})
-        costs.append(({n: verify_ms[(i, n)] for n in sizes}, level_ms, extend_ms))
+                timed = timed_rounds(fns, rounds, before=befores, watch=watch)
+            clock = fitted[1] / timed.pop("one token")  # this pass's drift against the target's pass
+            extend_ms[v] = clock * timed.pop("extend")
+            level_ms.update({(k, v): clock * t for (_, k), t in timed.items()})
+        costs.append((fitted, level_ms, extend_ms))
     return costs
 
 
