@@ -535,3 +535,15 @@ def test_cpu_class_reads_the_first_processor_and_survives_a_bare_cpuinfo():
     assert tune.cpu_class(MILAN_CPUINFO) == "family 25 model 1, avx2"  # not processor 1's model or flags
     assert tune.cpu_class("flags : avx2\n") == "avx2"
     assert tune.cpu_class("") == ""
+
+
+def test_verify_costs_are_fitted_nondecreasing_in_the_tokens():
+    """Pool adjacent violators: runs of timings that fall as n grows are replaced by their mean, the rest kept."""
+    from eagle_fsd.tune.profile import nondecreasing
+
+    assert nondecreasing({1: 37.0, 2: 34.0, 3: 34.0, 4: 40.0, 5: 39.0, 6: 45.0}) == \
+        pytest.approx({1: 35.0, 2: 35.0, 3: 35.0, 4: 39.5, 5: 39.5, 6: 45.0})
+    assert nondecreasing({1: 36.0, 2: 40.0, 3: 20.0}) == pytest.approx({1: 32.0, 2: 32.0, 3: 32.0})  # pooled twice
+    rising = {1: 30.0, 2: 30.0, 4: 33.0, 8: 41.0}
+    assert nondecreasing(rising) == rising
+    assert nondecreasing({3: 5.0, 1: 9.0, 2: 7.0}) == pytest.approx({1: 7.0, 2: 7.0, 3: 7.0})  # keys sorted first

@@ -147,7 +147,8 @@ def test_costs_are_timed_at_two_contexts_and_checked_on_the_long_one(monkeypatch
 def test_drafting_costs_are_read_on_the_target_passs_clock(monkeypatch):
     """The drafter's forwards are timed in a pass of their own, which times the target's one-token forward again: a
     drafting cost is its ratio to that forward in its pass, on the clock of the target's pass. Here the drafter's
-    pass ran while the machine was slower (t_verify(1) 20 ms there, 12 in the target's pass): its 8 ms read as 4.8."""
+    pass ran while the machine was slower (t_verify(1) 20 ms there, 12 in the target's pass): its 8 ms read as 4.8.
+    One token timed slower than two is noise: both read as their mean."""
     import sys
 
     tuner = sys.modules["eagle_fsd.tune.measure"]
@@ -157,12 +158,12 @@ def test_drafting_costs_are_read_on_the_target_passs_clock(monkeypatch):
         passes.append(before)
         if "one token" in fns:  # the drafter's pass
             return {key: 20.0 if key == "one token" else 8.0 for key in fns}
-        return {key: {1: 12.0, 2: 14.0, 4: 40.0}[key[1]] for key in fns}  # the target's pass
+        return {key: {1: 14.0, 2: 10.0, 4: 40.0}[key[1]] for key in fns}  # the target's pass
 
     monkeypatch.setattr(tuner, "timed_rounds", machine)
     [(verify, level, extend)] = tuner.measure_costs(tiny_pair(), [torch.arange(3, 27)], (1, 2, 4), (1, 2), {0: None},
                                                     1)
-    assert verify == {1: 12.0, 2: 14.0, 4: 40.0}
+    assert verify == {1: 12.0, 2: 12.0, 4: 40.0}
     assert level == pytest.approx({(1, 0): 4.8, (2, 0): 4.8}) and extend == pytest.approx({0: 4.8})
     assert set(passes[1]) == {("level", 1), ("level", 2), "extend", "one token"}  # each key's own eviction
 

@@ -17,7 +17,7 @@ from eagle_fsd import vocab as vocab_tables
 from eagle_fsd.cache import TreeCache
 from eagle_fsd.hf import causal_mask, decoder_forward
 from eagle_fsd.tree.shape import TreeShape
-from eagle_fsd.tune.profile import CostProfile, choose_shape
+from eagle_fsd.tune.profile import CostProfile, choose_shape, nondecreasing
 from eagle_fsd.tune.replay import RANKS, replay_prompts, target_hidden, tau_by_shape
 from eagle_fsd.tune.trust import TimingWatch
 
@@ -167,7 +167,7 @@ def measure_costs(model, contexts: list[torch.Tensor], sizes, top_ks, vocabs: di
                              rounds, before=lambda: setup.level(1), watch=watch)
     costs = []
     for i, (ctx, hidden, _, _) in enumerate(primed):  # the drafter holds one context at a time: timed one by one
-        fitted = {n: verify_ms[(i, n)] for n in sizes}
+        fitted = nondecreasing({n: verify_ms[(i, n)] for n in sizes})  # more tokens never cost less
         level_ms, extend_ms = {}, {}
         for v, ids in vocabs.items():
             with drafter.drafting_over(ids):

@@ -120,6 +120,20 @@ def workload_speedup(prefill_ms: float, draft_prefill_ms: float, plain_ms: float
     return plain / (prompt_tokens * (prefill_ms + draft_prefill_ms) + new_tokens * spec_ms)
 
 
+def nondecreasing(costs: dict[int, float]) -> dict[int, float]:
+    """The least-squares non-decreasing fit of `costs` over their sorted keys (pool adjacent violators). A forward
+    over n + 1 tokens does all the work of one over n and more, so where timings fall as n grows that is noise: the
+    neighbours they contradict are pooled to their mean (t_verify(1), the denominator of every ratio, most of all)."""
+    pools = []  # [mean, count] per run of pooled keys
+    for key in sorted(costs):
+        pools.append([costs[key], 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            mean, count = pools.pop()
+            before = pools[-1]
+            before[0], before[1] = (before[0] * before[1] + mean * count) / (before[1] + count), before[1] + count
+    return dict(zip(sorted(costs), (mean for mean, count in pools for _ in range(count))))
+
+
 @dataclass
 class Tuning:
     """What the engine uses: the chosen shape, whether to speculate at all, and the plain rate for the guard."""

@@ -18,7 +18,8 @@ from eagle_fsd.tune.measure import TuneSettings, check_costs, device_name, measu
 from eagle_fsd.tune.profile import CostProfile, Tuning, describe, tuning_from
 from eagle_fsd.tune.trust import CPU_CAP_VARS, describe_age
 
-TUNE_VERSION = 12  # 12: drafting costs read against t_verify(1) timed again in the drafter's own pass;
+TUNE_VERSION = 13  # 13: t_verify(n) fitted non-decreasing in n;
+#                   12: drafting costs read against t_verify(1) timed again in the drafter's own pass;
 #                   11: twelve calibration prompts of more kinds, E[a + 1] pooled over their steps; the target
 #                       forwards of both contexts timed in one round-robin;
 #                   10: attention by key/value head, draft log-probs in one C++ pass (a step's costs moved);
