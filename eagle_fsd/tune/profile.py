@@ -73,7 +73,8 @@ class CostProfile:
         verify = moved(self.verify_ms, self.verify_slope)
         return replace(self, verify_ms=verify, level_ms=moved(self.level_ms, self.level_slope),
                        extend_ms=moved(self.extend_ms, self.extend_slope),
-                       plain_ms=self.plain_ms + verify.get(1, 0.0) - self.verify_ms.get(1, 0.0), context_tokens=round(tokens))
+                       plain_ms=self.plain_ms + verify.get(1, 0.0) - self.verify_ms.get(1, 0.0),
+                       context_tokens=round(tokens))
 
     def to_json(self) -> dict:
         def keyed(d):
